@@ -1,0 +1,276 @@
+"""The ``ngrav`` command line. Heavy modules are imported inside each command so ``--help`` is instant.
+
+Examples::
+
+    ngrav compare --profile profiles/binary_search.json \\
+        --prompt "Write a binary search in Java and explain its time complexity." --seeds 5
+    ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
+    ngrav inspect --profile profiles/binary_search.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .errors import NarrativeGravityError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Keep LLM generation on its narrative while it decodes.",
+    rich_markup_mode="rich",
+)
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a HF folder or a .gguf file")
+]
+RawOpt = Annotated[bool, typer.Option("--raw", help="plain continuation, no chat template")]
+MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
+TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy decoding")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    if not path.exists():
+        _fail(f"prompt file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".jsonl":
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                _fail(f"{path}:{n}: not valid JSON ({exc.msg}); each line must be an object with a `prompt` field")
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                _fail(f"{path}:{n}: each line must be a JSON object with a string `prompt` field")
+            prompts.append(row["prompt"])
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        _fail(f"prompt file {str(path)!r} has no prompts; write one prompt per line (.txt) or JSONL with `prompt`")
+    return prompts
+
+
+def _load(model: str | None) -> tuple[Any, Any]:
+    from rich.console import Console
+
+    from .models import load_model
+
+    with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
+        return load_model(model)
+
+
+def _run_guarded(fn: Any) -> Any:
+    try:
+        return fn()
+    except NarrativeGravityError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def generate(
+    prompts: Annotated[Path, typer.Option("--prompts", help="one prompt per line (.txt) or JSONL with `prompt`")],
+    output: Annotated[Path, typer.Option("--output", help="where to write one JSON object per prompt")],
+    profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
+    no_gravity: Annotated[bool, typer.Option("--no-gravity", help="plain decoding (control)")] = False,
+    raw: RawOpt = False,
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = 64,
+    top_k: TopKOpt = 10,
+    temperature: TempOpt = 1.0,
+    seed: SeedOpt = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")] = 8,
+    trace: Annotated[bool, typer.Option("--trace", help="record entropy, narrative mass, KL and λ")] = False,
+) -> None:
+    """Generate a continuation for every prompt, with or without gravity.
+
+    Example: ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .generation import SamplingOptions
+    from .generation import generate as run
+    from .profile import load_profile
+    from .steer import processor_from_profile
+
+    texts = _read_prompts(prompts)
+    if profile is None and not no_gravity:
+        _fail("give --profile FILE for gravity, or --no-gravity for plain decoding")
+    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
+    m, tok = _load(model)
+
+    def factory(budget: int, tr: Any) -> Any:
+        if prof is None:
+            return None
+        return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("generating", total=len(texts))
+        results = _run_guarded(
+            lambda: run(
+                m,
+                tok,
+                texts,
+                options=options,
+                processor_factory=factory,
+                raw=raw,
+                batch_size=batch_size,
+                record_trace=trace,
+                progress=lambda n: bar.advance(task, n),
+            )
+        )
+    with output.open("w", encoding="utf-8") as fh:
+        for r in results:
+            row = r.to_json()
+            row["gravity"] = not no_gravity
+            if prof is not None:
+                row["profile"] = prof.name
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    total_tokens = sum(r.new_tokens for r in results)
+    total_s = sum(r.seconds for r in results)
+    typer.echo(
+        f"wrote {len(results)} generations to {output} ({total_tokens} tokens, {total_tokens / total_s:.1f} tok/s)"
+    )
+
+
+@app.command()
+def compare(
+    profile: Annotated[Path, typer.Option("--profile", help="profile file (.json/.yaml)")],
+    prompt: Annotated[str, typer.Option("--prompt", help="the prompt to continue")],
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="number of seeds; control and gravity share each")] = 3,
+    raw: RawOpt = False,
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = 80,
+    top_k: TopKOpt = 10,
+    temperature: TempOpt = 1.0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="save a PNG of the thermometer traces")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="save every text and metric as JSON")] = None,
+    show: Annotated[int, typer.Option("--show", min=0, help="how many seed pairs to print side by side")] = 2,
+) -> None:
+    """Run control (no gravity) and gravity with the same seeds; print texts side by side and a metrics table.
+
+    Example: ngrav compare --profile profiles/binary_search.json --prompt "Write a binary search in Java." --seeds 20
+    """
+    from .compare import run_compare
+
+    prof = _run_guarded(lambda: __import__("narrative_gravity.profile", fromlist=["x"]).load_profile(profile))
+    m, tok = _load(model)
+    _run_guarded(
+        lambda: run_compare(
+            m,
+            tok,
+            prof,
+            prompt,
+            seeds=seeds,
+            raw=raw,
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            temperature=temperature,
+            plot=plot,
+            json_out=json_out,
+            show=show,
+        )
+    )
+
+
+@app.command()
+def inspect(
+    profile: Annotated[Path, typer.Option("--profile", help="profile file (.json/.yaml)")],
+    model: ModelOpt = None,
+) -> None:
+    """Show how a profile's words map onto a model's tokenizer, and which words could not be used.
+
+    Example: ngrav inspect --profile profiles/binary_search.json --model gemma3-270m
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models import load_tokenizer
+    from .profile import load_profile
+    from .steer import field_from_profile
+
+    prof = _run_guarded(lambda: load_profile(profile))
+    tok = _run_guarded(lambda: load_tokenizer(model))
+    field = _run_guarded(lambda: field_from_profile(prof, tok))
+    table = Table(title=f"{prof.name}: {field.report.n_used} words used, {field.report.n_unusable} unusable")
+    table.add_column("word")
+    table.add_column("surface forms (token pieces)")
+    for word, forms in field.report.used.items():
+        table.add_row(word, "  ".join("|".join(f) for f in forms))
+    for word, why in field.report.unusable.items():
+        table.add_row(f"[red]{word}[/]", f"[red]unusable: {why}[/]")
+    console = Console()
+    console.print(table)
+    pos = int((field.values > 0).sum())
+    neg = int((field.values < 0).sum())
+    n_cont = field.prefixes.shape[0] if field.has_continuations else 0
+    console.print(f"field: {pos} tokens pulled, {neg} pushed away, {n_cont} multi-token continuations")
+
+
+@app.command()
+def reach(
+    wordlists: Annotated[list[Path], typer.Argument(help="word list files, one word per line")],
+    model: ModelOpt = None,
+) -> None:
+    """Count, per word list, the words that no surface form of the tokenizer can write.
+
+    Example: ngrav reach ../shared/bench/topics/wordlists/*.txt
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from .fields.lexical import reach as reach_words
+    from .models import load_tokenizer
+
+    tok = _run_guarded(lambda: load_tokenizer(model))
+    table = Table(title=f"reach in {model or 'smollm2'}")
+    for col in ("list", "words", "unreachable", "reachable %", "unreachable words"):
+        table.add_column(col)
+    worst = 100.0
+    for path in wordlists:
+        if not path.exists():
+            _fail(f"word list {str(path)!r} does not exist")
+        words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines() if w.strip()]
+        ok, bad = reach_words(tok, words)
+        pct = 100.0 * len(ok) / max(1, len(words))
+        worst = min(worst, pct)
+        table.add_row(path.stem, str(len(words)), str(len(bad)), f"{pct:.1f}", ", ".join(bad[:8]))
+    Console().print(table)
+    if worst < 99.0:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point of the ``ngrav`` console script."""
+    try:
+        app()
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,202 @@
+"""``ngrav compare``: control and gravity with the same seeds, side by side, with paired statistics."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .generation import GenerationResult, SamplingOptions, encode_prompts, generate
+from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
+from .profile import Profile
+from .steer import field_from_profile, processor_from_profile
+
+__all__ = ["ComparisonRow", "compare_runs", "run_compare"]
+
+METRICS = (
+    ("narrative-token rate", "narrative_rate", True),
+    ("penalized-word hits", "penalized_hits", False),
+    ("distinct-2", "distinct_2", True),
+    ("mean entropy [nats]", "entropy", None),
+    ("mean KL [nats/token]", "kl", False),
+    ("tokens/s", "tokens_per_s", True),
+)
+
+
+@dataclass
+class ComparisonRow:
+    """One seed: the control and gravity generations and their metrics."""
+
+    seed: int
+    control: GenerationResult
+    gravity: GenerationResult
+    metrics: dict[str, dict[str, float]]
+
+
+def _metrics(result: GenerationResult, prof: Profile, field: Any, prompt_ids: list[int]) -> dict[str, float]:
+    means = result.trace_means or {}
+    return {
+        "narrative_rate": narrative_token_rate(field, prompt_ids, result.token_ids),
+        "penalized_hits": float(penalized_hits(result.text, prof.penalized())),
+        "distinct_2": distinct_n([result.text], 2),
+        "entropy": means.get("entropy", float("nan")),
+        "kl": means.get("kl", float("nan")),
+        "tokens_per_s": result.new_tokens / result.seconds if result.seconds > 0 else float("nan"),
+    }
+
+
+def compare_runs(
+    model: Any,
+    tokenizer: Any,
+    profile: Profile,
+    prompt: str,
+    *,
+    seeds: int = 3,
+    raw: bool = False,
+    max_new_tokens: int = 80,
+    top_k: int = 10,
+    temperature: float = 1.0,
+    progress: Any = None,
+) -> list[ComparisonRow]:
+    """Generate control and gravity for seeds ``0..seeds-1`` and measure both."""
+    field = field_from_profile(profile, tokenizer)
+    prompt_ids = encode_prompts(tokenizer, [prompt], raw=raw)[0]
+    rows = []
+    for seed in range(seeds):
+        opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+        pair = {}
+        for mode in ("control", "gravity"):
+
+            def factory(budget: int, trace: Any, _mode: str = mode) -> Any:
+                return processor_from_profile(
+                    profile, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control"
+                )
+
+            (res,) = generate(
+                model,
+                tokenizer,
+                [prompt],
+                options=opts,
+                processor_factory=factory,
+                raw=raw,
+                batch_size=1,
+                record_trace=True,
+            )
+            pair[mode] = res
+            if progress is not None:
+                progress()
+        rows.append(
+            ComparisonRow(
+                seed=seed,
+                control=pair["control"],
+                gravity=pair["gravity"],
+                metrics={m: _metrics(pair[m], profile, field, prompt_ids) for m in ("control", "gravity")},
+            )
+        )
+    return rows
+
+
+def summarize(rows: list[ComparisonRow]) -> dict[str, dict[str, Any]]:
+    """Per metric: control and gravity means with 95% bootstrap intervals, and the paired difference."""
+    out: dict[str, dict[str, Any]] = {}
+    for label, key, higher in METRICS:
+        c = np.array([r.metrics["control"][key] for r in rows], dtype=float)
+        g = np.array([r.metrics["gravity"][key] for r in rows], dtype=float)
+        ok = ~(np.isnan(c) | np.isnan(g))
+        out[key] = {
+            "label": label,
+            "higher_is_better": higher,
+            "control": mean_ci(c[ok].tolist()),
+            "gravity": mean_ci(g[ok].tolist()),
+            "difference": mean_ci((g[ok] - c[ok]).tolist()),
+        }
+    return out
+
+
+def _fmt(ci: tuple[float, float, float]) -> str:
+    m, lo, hi = ci
+    if np.isnan(m):
+        return "n/a"
+    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def run_compare(
+    model: Any,
+    tokenizer: Any,
+    profile: Profile,
+    prompt: str,
+    *,
+    seeds: int = 3,
+    raw: bool = False,
+    max_new_tokens: int = 80,
+    top_k: int = 10,
+    temperature: float = 1.0,
+    plot: Path | None = None,
+    json_out: Path | None = None,
+    show: int = 2,
+) -> dict[str, Any]:
+    """The ``ngrav compare`` command: run, print, optionally plot and save; returns the summary."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    with Progress(transient=True, console=console) as bar:
+        task = bar.add_task("control vs gravity", total=2 * seeds)
+        rows = compare_runs(
+            model,
+            tokenizer,
+            profile,
+            prompt,
+            seeds=seeds,
+            raw=raw,
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            temperature=temperature,
+            progress=lambda: bar.advance(task),
+        )
+    texts = Table(title=f"prompt: {prompt!r}", show_lines=True)
+    texts.add_column("seed", justify="right")
+    texts.add_column("control (no gravity)", ratio=1)
+    texts.add_column(f"gravity ({profile.name})", ratio=1)
+    for r in rows[:show]:
+        texts.add_row(str(r.seed), r.control.text, r.gravity.text)
+    console.print(texts)
+    summary = summarize(rows)
+    table = Table(title=f"{seeds} seeds, mean [95% bootstrap interval]")
+    for col in ("metric", "control", "gravity", "gravity − control (paired)"):
+        table.add_column(col)
+    for s in summary.values():
+        table.add_row(s["label"], _fmt(s["control"]), _fmt(s["gravity"]), _fmt(s["difference"]))
+    console.print(table)
+    if plot is not None:
+        from .plots import plot_traces
+
+        path = plot_traces(
+            {"control": [r.control.trace for r in rows], "gravity": [r.gravity.trace for r in rows]},
+            plot,
+            title=f"{profile.name}: {prompt[:60]}",
+        )
+        console.print(f"trace plot saved to {path}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "prompt": prompt,
+            "profile": profile.model_dump(),
+            "summary": summary,
+            "runs": [
+                {
+                    "seed": r.seed,
+                    "control": r.control.to_json(),
+                    "gravity": r.gravity.to_json(),
+                    "metrics": r.metrics,
+                }
+                for r in rows
+            ],
+        }
+        json_out.write_text(json.dumps(payload, indent=2, ensure_ascii=False), encoding="utf-8")
+        console.print(f"results saved to {json_out}")
+    return summary

@@ -1,0 +1,65 @@
+"""The one place the math lives: ``logits' = logits + λ·a``, then an optional pruning mask.
+
+Adding ``λ·a`` to the logits is the exponential tilt ``p'(v) ∝ p(v)·exp(λ·a(v))`` of the next-token
+distribution. Every engine (transformers, vLLM, numpy callbacks) calls :func:`apply_gravity`.
+
+>>> import torch
+>>> logits = torch.tensor([[0.0, 0.0, 0.0]])
+>>> field = torch.tensor([1.0, 0.0, -1.0])
+>>> apply_gravity(logits, field, torch.tensor([2.0])).tolist()
+[[2.0, 0.0, -2.0]]
+>>> apply_gravity(logits, field, 1.0, mask=prune_mask(field, -0.5)).tolist()
+[[1.0, 0.0, -inf]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_gravity", "prune_mask"]
+
+
+def _as_row_strength(strength: torch.Tensor | float, logits: torch.Tensor) -> torch.Tensor | float:
+    if isinstance(strength, torch.Tensor):
+        if strength.dim() == 0:
+            return strength
+        return strength.reshape(-1, 1).to(logits.dtype)
+    return float(strength)
+
+
+def apply_gravity(
+    logits: torch.Tensor,
+    field: torch.Tensor,
+    strength: torch.Tensor | float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pull ``logits [B, V]`` toward ``field`` (``[V]`` or ``[B, V]``) with one strength per row.
+
+    Args:
+        logits: next-token scores ``[B, V]``; not modified.
+        field: the narrative field, values in ``[-1, 1]``.
+        strength: a float, a 0-d tensor, or a ``[B]`` tensor (one λ per row).
+        mask: optional bool ``[V]`` or ``[B, V]``; ``True`` marks tokens to prune (set to ``-inf``). A row is
+            never pruned to nothing: where the mask would remove every finite candidate, it is ignored.
+
+    Returns:
+        A new ``[B, V]`` tensor. ``-inf`` entries stay ``-inf``.
+    """
+    lam = _as_row_strength(strength, logits)
+    out = logits + lam * field.to(logits.dtype)
+    if mask is not None:
+        finite = torch.isfinite(out)
+        keeps_some = (finite & ~mask).any(dim=-1, keepdim=True)
+        out = out.masked_fill(mask & keeps_some, float("-inf"))
+    return out
+
+
+def prune_mask(field: torch.Tensor, threshold: float | None) -> torch.Tensor | None:
+    """Tokens whose field value is at or below ``threshold`` (true branch pruning), or ``None``.
+
+    >>> prune_mask(torch.tensor([0.5, -1.0]), -1.0).tolist()
+    [False, True]
+    """
+    if threshold is None:
+        return None
+    return field <= threshold

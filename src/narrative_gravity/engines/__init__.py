@@ -1,0 +1,1 @@
+"""Thin engine adapters around :func:`narrative_gravity.core.apply_gravity`."""

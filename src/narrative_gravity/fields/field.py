@@ -1,0 +1,162 @@
+"""The narrative field: one value in [-1, 1] per vocabulary token, plus multi-token continuations.
+
+A field has two parts:
+
+- ``values[V]``: the pull on every token regardless of context (single-token words and the first
+  piece of multi-token words).
+- a continuation table: for a multi-token word ``t1 t2 … tn``, the piece ``t(j+1)`` gets a value only
+  in rows whose last generated tokens are ``t1 … tj``. The table is stored as right-aligned prefixes
+  ``prefixes[E, L]`` (padded with ``-1``), the piece that continues each prefix ``next_ids[E]`` and
+  its value ``next_values[E]``. Matching is one broadcast comparison over ``[B, E, L]``.
+
+>>> import torch
+>>> f = NarrativeField(values=torch.tensor([0.0, 1.0, 0.5, 0.0]),
+...                    prefixes=torch.tensor([[-1, 2]]), next_ids=torch.tensor([3]),
+...                    next_values=torch.tensor([1.0]))
+>>> f.for_step(torch.tensor([[0, 2], [0, 1]])).tolist()
+[[0.0, 1.0, 0.5, 1.0], [0.0, 1.0, 0.5, 0.0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import VocabularyError
+
+__all__ = ["NarrativeField", "WordReport"]
+
+
+@dataclass(frozen=True)
+class WordReport:
+    """What happened to each word when a field was built.
+
+    ``used`` maps each usable word to its surface forms as token-piece tuples; ``unusable`` maps each
+    word that could not be used to the reason.
+    """
+
+    used: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
+    unusable: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_used(self) -> int:
+        return len(self.used)
+
+    @property
+    def n_unusable(self) -> int:
+        return len(self.unusable)
+
+
+@dataclass(frozen=True)
+class NarrativeField:
+    """A vocabulary field with an optional multi-token continuation table (see the module doc)."""
+
+    values: torch.Tensor
+    prefixes: torch.Tensor | None = None
+    next_ids: torch.Tensor | None = None
+    next_values: torch.Tensor | None = None
+    report: WordReport = field(default_factory=WordReport)
+    name: str = "field"
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 1:
+            raise VocabularyError(
+                f"`values` must be a 1-D tensor over the vocabulary, got shape {tuple(self.values.shape)}"
+            )
+        parts = (self.prefixes, self.next_ids, self.next_values)
+        if any(p is None for p in parts) and not all(p is None for p in parts):
+            raise VocabularyError("`prefixes`, `next_ids` and `next_values` must be given together or not at all")
+        if self.prefixes is not None:
+            e = self.prefixes.shape[0]
+            if self.prefixes.dim() != 2 or self.next_ids.shape != (e,) or self.next_values.shape != (e,):
+                raise VocabularyError(
+                    "continuation table shapes disagree: prefixes must be [E, L], next_ids and next_values [E]; got "
+                    f"{tuple(self.prefixes.shape)}, {tuple(self.next_ids.shape)}, {tuple(self.next_values.shape)}"
+                )
+            bad = self.next_ids[(self.next_ids < 0) | (self.next_ids >= self.vocab_size)]
+            if bad.numel():
+                raise VocabularyError(
+                    f"continuation token ids {sorted(set(bad.tolist()))[:10]} are outside the vocabulary "
+                    f"[0, {self.vocab_size}); build the field with the tokenizer of the model you generate with"
+                )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def has_continuations(self) -> bool:
+        return self.prefixes is not None and self.prefixes.shape[0] > 0
+
+    @property
+    def max_prefix_len(self) -> int:
+        return int(self.prefixes.shape[1]) if self.has_continuations else 0
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> NarrativeField:
+        """Move the field to a device (and the values to a float dtype)."""
+
+        def mv(t: torch.Tensor | None, float_: bool) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if (float_ and dtype is not None) else t.dtype)
+
+        return replace(
+            self,
+            values=mv(self.values, True),
+            prefixes=mv(self.prefixes, False),
+            next_ids=mv(self.next_ids, False),
+            next_values=mv(self.next_values, True),
+        )
+
+    def fit_vocab(self, width: int) -> NarrativeField:
+        """Return a field whose vocabulary is ``width`` wide.
+
+        A model may pad its output layer beyond the tokenizer (``width > vocab_size``): the extra
+        tokens get 0. A narrower output layer cannot hold the field's tokens and raises an error
+        that names them.
+        """
+        if width == self.vocab_size:
+            return self
+        if width > self.vocab_size:
+            pad = torch.zeros(width - self.vocab_size, dtype=self.values.dtype, device=self.values.device)
+            return replace(self, values=torch.cat([self.values, pad]))
+        nz = torch.nonzero(self.values[width:]).flatten() + width
+        ids = sorted(set(nz.tolist()) | set(self._continuation_ids_at_or_above(width)))
+        if ids:
+            raise VocabularyError(
+                f"the logits have {width} columns but the field gives values to token ids {ids[:10]}"
+                f"{' …' if len(ids) > 10 else ''} (field vocabulary {self.vocab_size}); build the field with the "
+                "tokenizer of the model you generate with"
+            )
+        return replace(self, values=self.values[:width].contiguous())
+
+    def _continuation_ids_at_or_above(self, width: int) -> list[int]:
+        if not self.has_continuations:
+            return []
+        return self.next_ids[self.next_ids >= width].tolist()
+
+    def for_step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The field for the next token of each row: ``[V]`` without continuations, else ``[B, V]``.
+
+        Vectorized over the batch and the continuation table; no host synchronisation.
+        """
+        if not self.has_continuations:
+            return self.values
+        return (self.values + self.continuation(input_ids)).clamp_(-1.0, 1.0)
+
+    def continuation(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The context-dependent part ``[B, V]``: values of pieces that continue the rows' last tokens."""
+        b = input_ids.shape[0]
+        out = torch.zeros(b, self.vocab_size, dtype=self.values.dtype, device=self.values.device)
+        if not self.has_continuations:
+            return out
+        lp = self.max_prefix_len
+        tail = input_ids[:, -lp:]
+        if tail.shape[1] < lp:  # shorter history than the longest prefix: pad with an id no prefix uses
+            tail = torch.nn.functional.pad(tail, (lp - tail.shape[1], 0), value=-2)
+        pref = self.prefixes
+        match = ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)  # [B, E]
+        contrib = match.to(self.values.dtype) * self.next_values[None]
+        out.scatter_add_(1, self.next_ids[None].expand(b, -1), contrib)
+        return out

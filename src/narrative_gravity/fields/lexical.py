@@ -1,0 +1,381 @@
+"""Lexical fields: turn word lists into a :class:`NarrativeField` for any Hugging Face tokenizer.
+
+A word reaches the model through several *surface forms*: after a space (``" planet"``, written
+``Ġplanet`` by byte-level BPE and ``▁planet`` by SentencePiece), glued to what precedes it
+(``"planet"`` after a quote or a newline, and the only form in CJK text), and in case variants
+(``" Planet"``). Each form is a token-id sequence. Single-token forms get a value in ``values``; for
+multi-token forms the first piece gets a weaker value and every later piece is pulled only once the
+pieces before it were generated (the field's continuation table).
+
+Surface forms are checked against the tokenizer: a form that contains the unknown token or a special
+token, or that does not decode back to the word, is dropped; a word with no form left is reported
+with the reason in :class:`WordReport`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import FieldError, VocabularyError
+from .field import NarrativeField, WordReport
+
+__all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms"]
+
+# Anchors put in front of a word to get its after-a-space form: encode("a planet") minus encode("a").
+_ANCHORS = ("a", "The", "x", "0", ".")
+# Scripts written without spaces and without case: no case variants for words that contain them.
+_CJK = re.compile(
+    "[\u1100-\u11ff\u2e80-\u2fdf\u3000-\u30ff\u3100-\u31ff\u3400-\u4dbf\u4e00-\u9fff"
+    "\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff00-\uffef\U00020000-\U0003134f]"
+)
+PENALIZE_WINS = "also listed in penalize; penalize wins"
+
+
+def expand_keywords(words: Iterable[str]) -> list[str]:
+    """Split ``snake_case`` compounds into their words and keep the phrase; strip, drop empties, dedupe.
+
+    Runs of whitespace inside a phrase become one space. A single string counts as one word.
+
+    >>> expand_keywords(["binary_search", " planet ", "planet", "", "deep  space"])
+    ['binary', 'search', 'binary search', 'planet', 'deep space']
+    """
+    out: list[str] = []
+    for _raw, expanded in _expand_tracked(_as_list(words, "words")):
+        out.extend(expanded)
+    return list(dict.fromkeys(out))
+
+
+def surface_forms(tokenizer: Any, word: str) -> list[tuple[int, ...]]:
+    """Every distinct token-id sequence that writes ``word`` in running text.
+
+    After-a-space forms come first, then glued forms, each for the case variants (as given, lower,
+    first letter upper; none for CJK words). Forms with the unknown token or special tokens, and forms
+    that do not decode back to the word, are left out. The word is taken literally (no ``_`` split).
+    """
+    word = " ".join(str(word).split())
+    if not word:
+        return []
+    return [f.ids for f in _Tokenizer(tokenizer).analyze([word])[0].forms]
+
+
+def reach(tokenizer: Any, words: Iterable[str], *, max_pieces: int | None = None) -> tuple[list[str], list[str]]:
+    """Split ``words`` (stripped, in order) into ``(reachable, unreachable)`` for this tokenizer.
+
+    A word is reachable when at least one surface form encodes without the unknown token or special
+    tokens and decodes back to the word (and, if ``max_pieces`` is given, has at most that many
+    tokens). Blank words are unreachable.
+    """
+    if max_pieces is not None and max_pieces < 1:
+        raise FieldError(f"max_pieces must be >= 1, got {max_pieces}")
+    stripped = [" ".join(str(w).split()) for w in _as_list(words, "words")]
+    todo = list(dict.fromkeys(w for w in stripped if w))
+    ok: dict[str, bool] = {}
+    for w, a in zip(todo, _Tokenizer(tokenizer).analyze(todo)):
+        ok[w] = any(max_pieces is None or len(f.ids) <= max_pieces for f in a.forms)
+    reachable = [w for w in stripped if ok.get(w, False)]
+    unreachable = [w for w in stripped if not ok.get(w, False)]
+    return reachable, unreachable
+
+
+def build_lexical_field(
+    tokenizer: Any,
+    core: Iterable[str],
+    penalize: Iterable[str] = (),
+    *,
+    vocab_size: int | None = None,
+    glued_weight: float = 0.5,
+    first_piece_weight: float = 0.5,
+    max_pieces: int = 8,
+    name: str = "lexical",
+) -> NarrativeField:
+    """Build a field that pulls toward the ``core`` words and away from the ``penalize`` words.
+
+    Words go through :func:`expand_keywords` first. For each surface form of a core word: a
+    single-token form gets ``+1`` (``glued_weight`` if glued); a multi-token form gives its first
+    piece ``first_piece_weight`` (times ``glued_weight`` if glued; nothing if the piece is only
+    whitespace) and puts each later piece in the continuation table with ``+1`` after the pieces
+    before it. A penalize word gets ``-1`` on its single-token forms and on the continuation pieces
+    of its multi-token forms (not on their first piece). Positive values combine with ``max``; a
+    negative value on a token always wins, and so does a penalize word over the same core word.
+
+    Raises :class:`FieldError` when an argument is out of range or no core word is usable, and
+    :class:`VocabularyError` when ``vocab_size`` is too small for the tokenizer's ids.
+    """
+    for label, w in (("glued_weight", glued_weight), ("first_piece_weight", first_piece_weight)):
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or not 0 <= w <= 1:
+            raise FieldError(f"{label} must be a number in [0, 1], got {w!r}")
+    if isinstance(max_pieces, bool) or not isinstance(max_pieces, int) or max_pieces < 1:
+        raise FieldError(f"max_pieces must be an integer >= 1, got {max_pieces!r}")
+    if vocab_size is None:
+        vocab_size = len(tokenizer)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+
+    core_tracked = _expand_tracked(_as_list(core, "core"))
+    pen_tracked = _expand_tracked(_as_list(penalize, "penalize"))
+    unusable: dict[str, str] = {}
+    for raw, expanded in [*core_tracked, *pen_tracked]:
+        if not expanded:
+            unusable[raw] = "empty after stripping" if "_" not in raw else "empty after splitting on '_' and stripping"
+    core_words = list(dict.fromkeys(w for _, ex in core_tracked for w in ex))
+    pen_words = list(dict.fromkeys(w for _, ex in pen_tracked for w in ex))
+    if not core_words:
+        given = [raw for raw, _ in core_tracked]
+        raise FieldError(f"no core word to build the field from (got {given!r}); pass at least one non-empty word")
+
+    tk = _Tokenizer(tokenizer)
+    words = list(dict.fromkeys(core_words + pen_words))
+    forms: dict[str, list[_Form]] = {}
+    for w, a in zip(words, tk.analyze(words)):
+        fitting = [f for f in a.forms if len(f.ids) <= max_pieces]
+        if a.reason is not None:
+            unusable[w] = a.reason
+        elif not fitting:
+            need = min(len(f.ids) for f in a.forms)
+            unusable[w] = f"needs {need} tokens, more than max_pieces={max_pieces}"
+        else:
+            forms[w] = fitting
+
+    pen_keys = {w.casefold() for w in pen_words}
+    used: dict[str, list[tuple[str, ...]]] = {}
+    positive: list[tuple[str, _Form]] = []
+    negative: list[tuple[str, _Form]] = []
+    for w in core_words:
+        if w not in forms:
+            continue
+        if w.casefold() in pen_keys:
+            unusable[w] = PENALIZE_WINS
+            continue
+        positive.extend((w, f) for f in forms[w])
+    for w in pen_words:
+        if w in forms:
+            negative.extend((w, f) for f in forms[w])
+    for w, fs in forms.items():
+        if w not in unusable:
+            used[w] = [tuple(tk.pieces(f.ids)) for f in fs]
+
+    if not positive:
+        details = "; ".join(f"{w!r}: {unusable.get(w, 'not usable')}" for w in core_words)
+        raise FieldError(
+            f"none of the core words can be used with this tokenizer ({details}). Fix: check the spelling, "
+            f"drop or split long compounds, raise max_pieces (now {max_pieces}), remove the words from "
+            "penalize, and build the field with the tokenizer of the model you generate with"
+        )
+
+    all_ids = {i for _, f in positive + negative for i in f.ids}
+    too_big = sorted(i for i in all_ids if i >= vocab_size)
+    if too_big:
+        raise VocabularyError(
+            f"token ids {too_big[:10]} are outside vocab_size={vocab_size}; leave vocab_size unset "
+            f"(len(tokenizer) = {len(tokenizer)}) or pass the model's vocabulary size"
+        )
+
+    # Positive values on `values`, combined with max; a whitespace-only first piece gets nothing.
+    firsts = sorted({f.ids[0] for _, f in positive if len(f.ids) > 1})
+    blank = {i for i, s in zip(firsts, tk.decode([(i,) for i in firsts])) if not s.strip()}
+    pos: dict[int, float] = {}
+    cont: dict[tuple[tuple[int, ...], int], float] = {}
+    for _, f in positive:
+        scale = 1.0 if f.spaced else float(glued_weight)
+        if len(f.ids) == 1:
+            weight, tid = scale, f.ids[0]
+        else:
+            weight, tid = (0.0 if f.ids[0] in blank else float(first_piece_weight) * scale), f.ids[0]
+            for j in range(1, len(f.ids)):
+                cont.setdefault((f.ids[:j], f.ids[j]), 1.0)
+        if weight > pos.get(tid, 0.0):
+            pos[tid] = weight
+    neg: set[int] = set()
+    for _, f in negative:
+        if len(f.ids) == 1:
+            neg.add(f.ids[0])
+        else:
+            for j in range(1, len(f.ids)):
+                cont[(f.ids[:j], f.ids[j])] = -1.0  # overrides a positive entry with the same key
+    # A token penalized everywhere is not pulled in any context either.
+    cont = {k: v for k, v in cont.items() if v < 0 or k[1] not in neg}
+    # Prefixes are matched right-aligned, so an entry whose prefix ends with a shorter entry's prefix
+    # (same next piece) fires together with it: drop it when it adds the same value again, or when
+    # the shorter one is a penalty (which must win).
+    cont = {
+        (p, n): v
+        for (p, n), v in cont.items()
+        if not any((s := cont.get((p[j:], n))) is not None and (s == v or s < 0) for j in range(1, len(p)))
+    }
+
+    values = torch.zeros(vocab_size, dtype=torch.float32)
+    if pos:
+        ids = torch.tensor(list(pos), dtype=torch.long)
+        values[ids] = torch.tensor(list(pos.values()), dtype=torch.float32)
+    if neg:
+        values[torch.tensor(sorted(neg), dtype=torch.long)] = -1.0
+
+    prefixes = next_ids = next_values = None
+    if cont:
+        keys = sorted(cont, key=lambda k: (len(k[0]), k[0], k[1]))
+        width = max(len(p) for p, _ in keys)
+        prefixes = torch.tensor([[-1] * (width - len(p)) + list(p) for p, _ in keys], dtype=torch.long)
+        next_ids = torch.tensor([n for _, n in keys], dtype=torch.long)
+        next_values = torch.tensor([cont[k] for k in keys], dtype=torch.float32)
+
+    return NarrativeField(
+        values=values,
+        prefixes=prefixes,
+        next_ids=next_ids,
+        next_values=next_values,
+        report=WordReport(used=used, unusable=unusable),
+        name=name,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# internals
+
+
+@dataclass(frozen=True)
+class _Form:
+    ids: tuple[int, ...]
+    spaced: bool  # written after a space (else glued to what precedes it)
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    forms: list[_Form]
+    reason: str | None  # why no form is valid (None when `forms` is not empty)
+
+
+def _as_list(words: Iterable[str] | str, label: str) -> list[str]:
+    if isinstance(words, str):
+        return [words]
+    try:
+        return [str(w) for w in words]
+    except TypeError as exc:
+        raise FieldError(f"{label} must be an iterable of strings, got {type(words).__name__}") from exc
+
+
+def _expand_tracked(words: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """For each raw word, the words it expands to (empty list when nothing is left)."""
+    out = []
+    for raw in words:
+        parts = [" ".join(p.split()) for p in raw.split("_")]
+        parts = [p for p in parts if p]
+        expanded = list(parts)
+        if len(parts) > 1:
+            expanded.append(" ".join(parts))
+        out.append((raw, expanded))
+    return out
+
+
+def _case_variants(word: str) -> list[str]:
+    if _CJK.search(word):
+        return [word]
+    return list(dict.fromkeys([word, word.lower(), word[:1].upper() + word[1:]]))
+
+
+class _Tokenizer:
+    """Batched encode/decode helpers and the ids a surface form must not contain."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.unk: int | None = getattr(tokenizer, "unk_token_id", None)
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        special.update(i for i, t in added.items() if getattr(t, "special", False))
+        self.special = frozenset(special)
+
+    def encode(self, texts: list[str]) -> list[tuple[int, ...]]:
+        if not texts:
+            return []
+        return [tuple(int(i) for i in ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, seqs: list[tuple[int, ...]]) -> list[str]:
+        if not seqs:
+            return []
+        return self.tok.batch_decode(
+            [list(s) for s in seqs], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def pieces(self, ids: tuple[int, ...]) -> list[str]:
+        return [str(p) for p in self.tok.convert_ids_to_tokens(list(ids))]
+
+    def spaced_forms(self, texts: list[str]) -> list[tuple[int, ...]]:
+        """The ids of ``" " + text`` in running text, for each text (see the anchor note at the top)."""
+        out: dict[int, tuple[int, ...]] = {}
+        pending = list(range(len(texts)))
+        for anchor in _ANCHORS:
+            if not pending:
+                break
+            a_ids = self.encode([anchor])[0]
+            if not a_ids:
+                continue
+            still = []
+            for i, ids in zip(pending, self.encode([f"{anchor} {texts[i]}" for i in pending])):
+                if len(ids) > len(a_ids) and ids[: len(a_ids)] == a_ids:
+                    out[i] = ids[len(a_ids) :]
+                else:
+                    still.append(i)
+            pending = still
+        for i, ids in zip(pending, self.encode([" " + texts[i] for i in pending])):
+            out[i] = ids
+        return [out[i] for i in range(len(texts))]
+
+    def analyze(self, words: list[str]) -> list[_Analysis]:
+        """The valid surface forms of each (non-empty, stripped) word, or why it has none."""
+        flat = [(wi, v) for wi, w in enumerate(words) for v in _case_variants(w)]
+        texts = [v for _, v in flat]
+        spaced = self.spaced_forms(texts)
+        glued = self.encode(texts)
+        # candidates per word: ids -> (spaced, text); the same ids as both spaced and glued count as spaced
+        cands: list[dict[tuple[int, ...], tuple[bool, str]]] = [{} for _ in words]
+        for (wi, v), ids in zip(flat, spaced):
+            cands[wi].setdefault(ids, (True, v))
+        for (wi, v), ids in zip(flat, glued):
+            cands[wi].setdefault(ids, (False, v))
+        rejected: list[list[str]] = [[] for _ in words]
+        to_check: list[tuple[int, tuple[int, ...], bool, str]] = []
+        for wi, cs in enumerate(cands):
+            for ids, (sp, v) in cs.items():
+                if not ids:
+                    rejected[wi].append("empty")
+                elif self.unk is not None and self.unk in ids:
+                    rejected[wi].append("unk")
+                elif any(i in self.special for i in ids):
+                    rejected[wi].append(
+                        "special:" + next(p for i, p in zip(ids, self.pieces(ids)) if i in self.special)
+                    )
+                else:
+                    to_check.append((wi, ids, sp, v))
+        decoded = self.decode([ids for _, ids, _, _ in to_check])
+        forms: list[list[_Form]] = [[] for _ in words]
+        mismatch: list[tuple[str, str] | None] = [None for _ in words]
+        for (wi, ids, sp, v), d in zip(to_check, decoded):
+            if d in (v, " " + v):
+                forms[wi].append(_Form(ids, sp))
+            elif mismatch[wi] is None:
+                mismatch[wi] = (v, d)
+        out = []
+        for wi in range(len(words)):
+            fs = sorted(forms[wi], key=lambda f: not f.spaced)  # stable: spaced first, variant order kept
+            out.append(_Analysis(fs, None if fs else _reason(rejected[wi], mismatch[wi])))
+        return out
+
+
+def _reason(rejected: list[str], mismatch: tuple[str, str] | None) -> str:
+    if mismatch is not None:
+        v, d = mismatch
+        return f"no surface form decodes back to the word ({v!r} decodes to {d!r})"
+    kinds = {r.split(":", 1)[0] for r in rejected}
+    specials = sorted({r.split(":", 1)[1] for r in rejected if r.startswith("special:")})
+    if kinds == {"unk"}:
+        return "every surface form contains the unknown token"
+    if kinds == {"special"}:
+        return f"every surface form contains a special token ({', '.join(specials)})"
+    if kinds == {"empty"}:
+        return "the tokenizer encodes it to no tokens"
+    return "every surface form contains the unknown token or a special token, or encodes to nothing"

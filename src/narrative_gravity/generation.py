@@ -1,0 +1,209 @@
+"""Batched generation with transformers: left padding, chat templates, seeds, timing and traces.
+
+This is the shared loop behind ``ngrav generate`` and ``ngrav compare``; gravity itself stays in the
+logits processor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigurationError
+from .thermo import Trace
+
+__all__ = ["GenerationResult", "SamplingOptions", "encode_prompts", "generate"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to pick tokens. ``temperature == 0`` means greedy decoding.
+
+    >>> SamplingOptions(temperature=0).do_sample
+    False
+    """
+
+    max_new_tokens: int = 64
+    top_k: int = 10
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigurationError(f"`max_new_tokens` has to be >= 1, but is {self.max_new_tokens}")
+        if self.top_k < 0:
+            raise ConfigurationError(f"`top_k` has to be >= 0 (0 = no top-k), but is {self.top_k}")
+        if not self.temperature >= 0:
+            raise ConfigurationError(f"`temperature` has to be >= 0 (0 = greedy), but is {self.temperature}")
+
+    @property
+    def do_sample(self) -> bool:
+        return self.temperature > 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if not self.do_sample:
+            return {
+                "do_sample": False,
+                "max_new_tokens": self.max_new_tokens,
+                "top_k": None,
+                "top_p": None,
+                "temperature": None,
+            }
+        return {
+            "do_sample": True,
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k or None,
+            "top_p": None,
+            "temperature": self.temperature,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's continuation. ``seconds`` is this prompt's share of its batch's wall time."""
+
+    prompt: str
+    text: str
+    new_tokens: int
+    seconds: float
+    token_ids: list[int]
+    seed: int
+    batch_seconds: float
+    trace: dict[str, list[float]] | None = None
+    trace_means: dict[str, float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt": self.prompt,
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 4),
+            "batch_seconds": round(self.batch_seconds, 4),
+            "seed": self.seed,
+        }
+        if self.trace_means is not None:
+            out["thermo"] = {k: round(v, 5) for k, v in self.trace_means.items()}
+        out.update(self.extra)
+        return out
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, raw: bool) -> list[list[int]]:
+    """Token ids per prompt: the chat template as a user turn, or plain text with ``raw``."""
+    if raw:
+        enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        return [list(ids) for ids in enc]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigurationError(
+            "this model's tokenizer has no chat template; pass --raw (raw=True) for plain continuation"
+        )
+    out = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, row in enumerate(batch):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+ProcessorFactory = Callable[[int, Trace | None], Any]
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    options: SamplingOptions = SamplingOptions(),
+    processor_factory: ProcessorFactory | None = None,
+    raw: bool = False,
+    batch_size: int = 8,
+    record_trace: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> list[GenerationResult]:
+    """Generate a continuation for every prompt, ``batch_size`` prompts at a time (left-padded).
+
+    ``processor_factory(max_new_tokens, trace)`` returns a logits processor for one batch, or ``None`` for
+    plain decoding. Each batch is seeded with ``options.seed`` so a run is reproducible.
+    """
+    if batch_size < 1:
+        raise ConfigurationError(f"`batch_size` has to be >= 1, but is {batch_size}")
+    if not prompts:
+        return []
+    encoded = encode_prompts(tokenizer, prompts, raw=raw)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = _eos_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    results: list[GenerationResult] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = encoded[start : start + batch_size]
+        ids, mask = _left_pad(chunk, pad_id)
+        trace = Trace() if record_trace else None
+        processor = processor_factory(options.max_new_tokens, trace) if processor_factory else None
+        kwargs = options.generate_kwargs()
+        torch.manual_seed(options.seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                logits_processor=[processor] if processor is not None else None,
+                pad_token_id=pad_id,
+                **kwargs,
+            )
+        elapsed = time.perf_counter() - t0
+        gen = out[:, ids.shape[1] :].cpu()
+        lengths = [_length(row, eos_ids) for row in gen.tolist()]
+        traces = trace.to_numpy() if trace is not None and len(trace) else None
+        means = trace.means(lengths) if trace is not None and len(trace) else None
+        for i, (row, n) in enumerate(zip(gen.tolist(), lengths, strict=True)):
+            toks = row[:n]
+            results.append(
+                GenerationResult(
+                    prompt=prompts[start + i],
+                    text=tokenizer.decode(toks, skip_special_tokens=True),
+                    new_tokens=n,
+                    seconds=elapsed / len(chunk),
+                    token_ids=toks,
+                    seed=options.seed,
+                    batch_seconds=elapsed,
+                    trace={k: v[i, :n].tolist() for k, v in traces.items()} if traces else None,
+                    trace_means=means[i] if means else None,
+                )
+            )
+        if progress is not None:
+            progress(len(chunk))
+    return results
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    cfg = getattr(model, "generation_config", None)
+    for value in (getattr(cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _length(row: list[int], eos_ids: set[int]) -> int:
+    """Tokens generated up to and including the first end-of-sequence token."""
+    for i, tok in enumerate(row):
+        if tok in eos_ids:
+            return i + 1
+    return len(row)

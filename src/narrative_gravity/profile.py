@@ -1,0 +1,212 @@
+"""Profiles: what the narrative is and how hard to pull, as JSON or YAML.
+
+The classic keys are accepted exactly as users write them::
+
+    {"task_type": "code_generation", "core_semantics": ["binary_search", "algorithm", "array", "target"],
+     "gravity_strength": 1.2, "penalize": ["restaurant", "movie", "recipe"], "decay_after_steps": 50}
+
+Our extensions: ``schedule`` (``constant`` or ``phases``), ``phases`` (explore/converge/strict), ``decay_half_life``,
+``prune_threshold`` and ``field`` (how surface forms are weighted). Errors name the key, the value and the
+fix, and suggest the intended key for typos.
+
+>>> p = Profile.from_mapping({"core_semantics": ["binary_search"], "gravity_strength": 1.2})
+>>> p.keywords()
+['binary', 'search', 'binary search']
+>>> Profile.from_mapping({"core_semantics": ["x"], "gravity_strenght": 2})
+Traceback (most recent call last):
+...
+narrative_gravity.errors.ProfileError: profile: unknown key `gravity_strenght`; did you mean `gravity_strength`?
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ProfileError
+
+__all__ = ["FieldOptions", "Phases", "Profile", "load_profile"]
+
+
+def split_compound(word: str) -> list[str]:
+    """``binary_search`` is understood as its words, plus the phrase they form.
+
+    >>> split_compound("binary_search")
+    ['binary', 'search', 'binary search']
+    >>> split_compound("  orbit ")
+    ['orbit']
+    """
+    word = word.strip()
+    if "_" not in word:
+        return [word] if word else []
+    parts = [p for p in word.split("_") if p]
+    return [*parts, " ".join(parts)] if len(parts) > 1 else parts
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Phases(_Strict):
+    """Multipliers on ``gravity_strength`` for the phases of the token budget."""
+
+    explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
+    strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
+    explore: float = Field(0.5, ge=0.0, le=10.0)
+    converge: float = Field(1.0, ge=0.0, le=10.0)
+    strict: float = Field(1.5, ge=0.0, le=10.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Phases:
+        if self.explore_until > self.strict_from:
+            raise ValueError(
+                f"phases.explore_until ({self.explore_until}) must not exceed phases.strict_from "
+                f"({self.strict_from}); set explore_until below strict_from"
+            )
+        return self
+
+
+class FieldOptions(_Strict):
+    """How the lexical field weighs surface forms."""
+
+    glued_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forms without a leading space")
+    first_piece_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of a multi-token word's first piece")
+    max_pieces: int = Field(8, ge=1, le=32, description="longest word, in tokens, that is used")
+
+
+class Profile(_Strict):
+    """A narrative profile. Only ``core_semantics`` is required."""
+
+    name: str | None = None
+    description: str | None = None
+    task_type: str | None = None
+    core_semantics: list[str] = Field(min_length=1)
+    gravity_strength: float = Field(1.5, ge=0.0, le=20.0)
+    penalize: list[str] = Field(default_factory=list)
+    decay_after_steps: int | None = Field(None, ge=0)
+    decay_half_life: float = Field(25.0, gt=0.0)
+    schedule: Literal["constant", "phases"] = "phases"
+    phases: Phases = Field(default_factory=Phases)
+    prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
+    field: FieldOptions = Field(default_factory=FieldOptions)
+
+    @field_validator("core_semantics", "penalize")
+    @classmethod
+    def _words(cls, v: list[str]) -> list[str]:
+        cleaned = [w.strip() for w in v]
+        empty = [i for i, w in enumerate(cleaned) if not w]
+        if empty:
+            raise ValueError(f"entries {empty} are empty; remove them or write the word")
+        return cleaned
+
+    def keywords(self) -> list[str]:
+        """Core words with compounds split (``binary_search`` → ``binary``, ``search``, ``binary search``)."""
+        return _dedupe(w for word in self.core_semantics for w in split_compound(word))
+
+    def penalized(self) -> list[str]:
+        return _dedupe(w for word in self.penalize for w in split_compound(word))
+
+    @classmethod
+    def from_mapping(cls, data: Any, *, source: str = "profile") -> Profile:
+        """Validate a mapping; every error names the key, the value and the fix."""
+        if not isinstance(data, dict):
+            raise ProfileError(
+                f"{source}: the root must be a mapping of keys to values, but is {type(data).__name__}; "
+                'write e.g. {"core_semantics": ["orbit", "planet"]}'
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ProfileError(_explain(exc, source)) from None
+
+    def controller_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~narrative_gravity.control.PhaseScheduleController`."""
+        return {
+            **self.phases.model_dump(),
+            "decay_after_steps": self.decay_after_steps,
+            "decay_half_life": self.decay_half_life,
+        }
+
+
+def _dedupe(words: Any) -> list[str]:
+    seen: dict[str, None] = {}
+    for w in words:
+        seen.setdefault(w, None)
+    return list(seen)
+
+
+_FIXES = {
+    "missing": "add it",
+    "list_type": 'write a list, e.g. ["orbit", "planet"]',
+    "float_parsing": "write a number",
+    "int_parsing": "write a whole number",
+    "literal_error": "use one of the allowed values",
+    "greater_than_equal": "raise the value",
+    "greater_than": "raise the value",
+    "less_than_equal": "lower the value",
+    "less_than": "lower the value",
+    "too_short": "add at least one entry",
+}
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    cur: Any = model
+    for part in loc[:-1]:
+        info = cur.model_fields.get(part) if isinstance(part, str) else None
+        if info is None or not isinstance(info.annotation, type) or not issubclass(info.annotation, BaseModel):
+            return []
+        cur = info.annotation
+    return list(cur.model_fields)
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(root)"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(Profile, loc)
+            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+            hint = f"did you mean `{guess[0]}`?" if guess else f"allowed keys are: {', '.join(allowed)}"
+            lines.append(f"unknown key `{key}`; {hint}")
+            continue
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        fix = _FIXES.get(err["type"], "")
+        value = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        lines.append(f"`{key}`{value}: {msg}" + (f"; {fix}" if fix and fix not in msg else ""))
+    head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  - "
+    return head + "\n  - ".join(lines)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Load a profile from a ``.json``, ``.yaml`` or ``.yml`` file."""
+    p = Path(path)
+    if not p.exists():
+        raise ProfileError(f"profile file {str(p)!r} does not exist; check the path (see profiles/ for examples)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile file {str(p)!r} cannot be read as UTF-8 text: {exc}") from None
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            raise ProfileError(f"profile file {str(p)!r} must end in .json, .yaml or .yml")
+    except (json.JSONDecodeError, Exception) as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"{p}: not valid {p.suffix[1:].upper()}: {exc}") from None
+    profile = Profile.from_mapping(data, source=str(p))
+    if profile.name is None:
+        profile = profile.model_copy(update={"name": p.stem})
+    return profile

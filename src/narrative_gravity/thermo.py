@@ -1,0 +1,125 @@
+"""Semantic thermodynamics: measure the disorder of each decoding step.
+
+From one ``log_softmax`` of the model's logits (plus one ``logsumexp`` for the pulled distribution) we
+get, per row:
+
+- ``entropy``: ``H(p)`` of the model's own next-token distribution, in nats;
+- ``mass``: narrative mass ``Σ p·[a>0]`` before the pull, and ``mass_after`` for ``p'``;
+- ``kl``: ``KL(p'‖p)``, what the pull costs in nats;
+- ``strength``: the λ used.
+
+:class:`Trace` records them per row and step on the device (no host sync) and is off unless asked.
+
+>>> import torch
+>>> m = measure(torch.zeros(1, 4), torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0]))
+>>> round(float(m.entropy[0]), 4), round(float(m.mass[0]), 2), float(m.kl[0])
+(1.3863, 0.25, 0.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Measurement", "Trace", "measure", "narrative_mass"]
+
+METRICS = ("entropy", "mass", "mass_after", "kl", "strength")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One step's measurements, each a ``[B]`` tensor."""
+
+    entropy: torch.Tensor
+    mass: torch.Tensor
+    mass_after: torch.Tensor
+    kl: torch.Tensor
+    strength: torch.Tensor
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack([self.entropy, self.mass, self.mass_after, self.kl, self.strength], dim=-1)
+
+
+def narrative_mass(logp: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
+    """``Σ p·[a>0]`` per row from log-probabilities ``[B, V]``; rows that are all ``-inf`` give 0."""
+    on = (field > 0).to(logp.dtype)
+    return torch.nan_to_num((logp.exp() * on).sum(dim=-1), nan=0.0)
+
+
+def measure(
+    logits: torch.Tensor,
+    field: torch.Tensor,
+    strength: torch.Tensor,
+    pulled: torch.Tensor | None = None,
+) -> Measurement:
+    """Measure one step. ``pulled`` are the logits after gravity (defaults to ``logits + λ·a``).
+
+    ``-inf`` logits are handled (``0·log 0 = 0``); a row that is entirely ``-inf`` measures as zeros.
+    """
+    logits = logits.float()
+    lam = strength.reshape(-1, 1).float() if strength.dim() else strength.float()
+    if pulled is None:
+        pulled = logits + lam * field
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    # p' = softmax(pulled): reuse logp where pruning did not intervene, so only one log_softmax is needed.
+    shift = pulled.float() - logits
+    shift = torch.where(torch.isfinite(shift), shift, torch.full_like(shift, float("-inf")))
+    tilted = logp + shift
+    logq = tilted - torch.logsumexp(tilted, dim=-1, keepdim=True)
+    q = logq.exp()
+    # KL is >= 0; rounding can leave a tiny negative value when the pull is zero.
+    kl = torch.where(q > 0, q * (logq - logp), torch.zeros_like(q)).sum(-1).clamp_min(0.0)
+    on = (field > 0).to(p.dtype)
+    mass = (p * on).sum(-1)
+    mass_after = (q * on).sum(-1)
+    b = logits.shape[0]
+    lam_row = lam.reshape(-1).expand(b) if lam.numel() in (1, b) else lam.reshape(-1)
+    clean = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (entropy, mass, mass_after, kl)]
+    return Measurement(*clean, strength=lam_row.to(p.dtype).clone())
+
+
+@dataclass
+class Trace:
+    """Per-row, per-step measurements, kept on the device until :meth:`to_numpy`.
+
+    >>> import torch
+    >>> t = Trace()
+    >>> t.record(measure(torch.zeros(2, 3), torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1.0])))
+    >>> t.to_numpy()["strength"].tolist()
+    [[0.0], [1.0]]
+    """
+
+    _steps: list[torch.Tensor] = field(default_factory=list)
+
+    def record(self, m: Measurement) -> None:
+        self._steps.append(m.stack().detach())
+
+    def reset(self) -> None:
+        self._steps.clear()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def tensor(self) -> torch.Tensor:
+        """``[B, T, 5]`` with the metrics in the order of ``METRICS``."""
+        if not self._steps:
+            return torch.zeros(0, 0, len(METRICS))
+        return torch.stack(self._steps, dim=1)
+
+    def to_numpy(self) -> dict[str, object]:
+        """Each metric as a ``[B, T]`` numpy array."""
+        t = self.tensor().cpu().numpy()
+        return {name: t[..., i] for i, name in enumerate(METRICS)}
+
+    def means(self, lengths: list[int] | None = None) -> list[dict[str, float]]:
+        """Per-row means over the steps each row actually generated (``lengths``, default all)."""
+        t = self.tensor().cpu()
+        out = []
+        for row in range(t.shape[0]):
+            n = t.shape[1] if lengths is None else max(1, min(lengths[row], t.shape[1]))
+            vals = t[row, :n].mean(dim=0) if t.shape[1] else torch.zeros(len(METRICS))
+            out.append({name: float(vals[i]) for i, name in enumerate(METRICS)})
+        return out

@@ -1,0 +1,99 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny tokenizers trained in code (no download): a byte-level BPE (GPT-2 / SmolLM2 style, `Ġ` marks a
+# space) and a SentencePiece-style Unigram with a Metaspace pre-tokenizer (`▁` marks a space).
+
+_SUBJECTS = (
+    "the planet", "a small moon", "the bright star", "our galaxy", "the comet", "a distant planet",
+    "the old telescope", "the crew", "the rocket", "a young astronomer",
+)  # fmt: skip
+_VERBS = ("moves along", "drifts past", "watches", "circles", "leaves", "reaches", "falls toward", "enters")
+_OBJECTS = (
+    "its orbit", "the orbit of the sun", "a spiral galaxy", "the dark sky", "every planet",
+    "the space station", "a cold planet", "the inner orbit", "the galaxy core", "the night",
+)  # fmt: skip
+# Quoted words train the glued (no leading space) forms of a few words into single tokens.
+_QUOTED = ("planet", "orbit", "galaxy")
+
+
+def tiny_corpus() -> list[str]:
+    """About 1100 short astronomy sentences, deterministic."""
+    lines = [f"{s[0].upper()}{s[1:]} {v} {o}." for s, v, o in itertools.product(_SUBJECTS, _VERBS, _OBJECTS)]
+    lines += [f'They said "{w}" again and again.' for w in _QUOTED for _ in range(100)]
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (vocab 400) wrapped in ``transformers.PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_sp_tokenizer() -> Any:
+    """A SentencePiece-style Unigram tokenizer (``▁`` space marker, dummy prefix, ``<unk>`` for unseen chars)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny seeded random Llama (no download) sized to the byte-level BPE tokenizer above.
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_tokenizer: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: a 2-layer random ``LlamaForCausalLM`` (seed 0, eval mode, float32) and a copy of
+    ``tiny_tokenizer`` that pads on the left with its end-of-text token."""
+    import copy
+
+    import torch
+    import transformers
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return model, tokenizer
