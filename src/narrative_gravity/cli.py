@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from .cli_profile import profile_app
 from .errors import NarrativeGravityError
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
     help="Keep LLM generation on its narrative while it decodes.",
     rich_markup_mode="rich",
 )
+app.add_typer(profile_app, name="profile")
 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a HF folder or a .gguf file")
@@ -262,6 +264,245 @@ def reach(
     Console().print(table)
     if worst < 99.0:
         raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_command(
+    prompts: Annotated[
+        str, typer.Option("--prompts", help="`topics` (the PPLM/FUDGE set), a .txt file, or JSONL with `prompt`")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")],
+    profile: Annotated[
+        list[str] | None,
+        typer.Option("--profile", help="profile file (repeat for several), or `auto`: one per topic from its words"),
+    ] = None,
+    samples: Annotated[int | None, typer.Option("--samples", min=1, help="samples per prompt: seeds 0..N-1")] = None,
+    seeds: Annotated[str | None, typer.Option("--seeds", help="explicit seeds, e.g. 0,1,2 or 0-4")] = None,
+    max_new_tokens: MaxNewOpt = 60,
+    top_k: TopKOpt = 10,
+    temperature: TempOpt = 1.0,
+    raw: Annotated[
+        bool | None,
+        typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topics)"),
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")] = 8,
+    model: ModelOpt = None,
+    judge: Annotated[
+        str, typer.Option("--judge", help="perplexity judge: gemma3-270m (default), a model path, or none")
+    ] = "gemma3-270m",
+    metrics: Annotated[
+        str | None, typer.Option("--metrics", help="comma-separated metric names (default: all)")
+    ] = None,
+    limit_prompts: Annotated[
+        int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts, spread over the topics")
+    ] = None,
+    auto_template: Annotated[
+        str | None, typer.Option("--auto-template", help="profile whose settings `auto` profiles start from")
+    ] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run in --out; finished rows are kept")] = False,
+    report_only: Annotated[
+        bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")
+    ] = False,
+) -> None:
+    """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.
+
+    Control runs with the same seeds, batches and settings as every profile. `--profile auto` (with `--prompts
+    topics`, or JSONL prompts that carry a `topic` list) builds one profile per topic from the conditioning half
+    of its word list; the held-out half only scores. Results are appended as they are made: after Ctrl-C or a
+    kill, rerun the same command with `--resume`.
+
+    Examples:
+
+        ngrav eval --prompts topics --profile auto --samples 1 --max-new-tokens 40 --out out/topics
+
+        ngrav eval --prompts prompts.jsonl --profile profiles/space.yaml --seeds 0-4 --out out/space --resume
+    """
+    from .eval.command import run_command
+
+    if not profile and not report_only:
+        _fail("give --profile FILE (repeat for several) or --profile auto")
+    _run_guarded(
+        lambda: run_command(
+            prompts=prompts,
+            profiles=list(profile or []),
+            out=out,
+            samples=samples,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            temperature=temperature,
+            raw=raw,
+            batch_size=batch_size,
+            model=model,
+            judge=judge,
+            metrics=metrics,
+            limit_prompts=limit_prompts,
+            auto_template=auto_template,
+            resume=resume,
+            report_only=report_only,
+        )
+    )
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="interface to bind; keep 127.0.0.1 unless you set a key")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key", envvar="NGRAV_API_KEY", help="require `Authorization: Bearer KEY` (prefer the env var)"
+        ),
+    ] = None,
+    store: Annotated[
+        Path | None, typer.Option("--store", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder")
+    ] = None,
+    engine: Annotated[str, typer.Option("--engine", help="hf (embedded transformers) or vllm (not available yet)")] = (
+        "hf"
+    ),
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps")] = "cpu",
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")] = 8,
+    batch_window_ms: Annotated[
+        float, typer.Option("--batch-window-ms", min=0.0, help="how long a batch waits to fill")
+    ] = 20.0,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="rows that may wait; more get 429")] = 64,
+    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="largest max_tokens")] = 1024,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--max-prompt-tokens", min=1, help="longest prompt (tokens)")
+    ] = 4096,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="largest request body")] = 1_000_000,
+    inline_gravity: Annotated[
+        bool, typer.Option("--inline-gravity/--no-inline-gravity", help="accept inline profiles, or stored ones only")
+    ] = True,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
+) -> None:
+    """Serve an OpenAI-compatible API (chat, completions, streaming) with a `gravity` field per request.
+
+    Needs the server extra: pip install 'narrative-gravity\\[server]'. See docs/server.md.
+
+    Examples:
+
+        ngrav serve --port 8000
+
+        NGRAV_API_KEY=secret ngrav serve --host 0.0.0.0 --store /srv/ngrav/profiles
+    """
+
+    def run() -> None:
+        from .server import ServerConfig
+        from .server import serve as run_server
+
+        config = ServerConfig(
+            host=host,
+            port=port,
+            api_key=api_key or None,
+            max_batch_size=max_batch_size,
+            batch_window_ms=batch_window_ms,
+            max_queue=max_queue,
+            max_tokens_limit=max_tokens_limit,
+            max_prompt_tokens=max_prompt_tokens,
+            max_body_bytes=max_body_bytes,
+            allow_inline_gravity=inline_gravity,
+        )
+        run_server(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
+
+    _run_guarded(run)
+
+
+@app.command("prune-context")
+def prune_context_command(
+    question: Annotated[str, typer.Option("--question", help="the question the context must answer")],
+    chunks: Annotated[Path, typer.Option("--chunks", help='JSONL, one chunk per line: {"text": ..., "id": ...}')],
+    budget: Annotated[
+        int | None, typer.Option("--budget", min=0, help="most chunk tokens to keep (default: no budget)")
+    ] = None,
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="profile whose narrative joins the question")
+    ] = None,
+    model: ModelOpt = None,
+    encoder: Annotated[
+        str, typer.Option("--encoder", help="minilm (default) or hashing (word overlap only)")
+    ] = "minilm",
+    count: Annotated[str, typer.Option("--count", help="tokens (the model's tokenizer) or words")] = "tokens",
+    json_out: Annotated[Path | None, typer.Option("--json", help="save every decision as JSON")] = None,
+) -> None:
+    """Score, cluster and trim retrieved chunks for a question; print what was kept and dropped, and why.
+
+    Example: ngrav prune-context --question "How did telescopes change astronomy?" --chunks chunks.jsonl --budget 400
+    """
+    from rich.console import Console
+
+    from .context import hashing_encoder, prune_context, result_table
+    from .profile import load_profile
+
+    if encoder not in ("minilm", "hashing"):
+        _fail(f"--encoder must be minilm or hashing, got {encoder!r}")
+    if count not in ("tokens", "words"):
+        _fail(f"--count must be tokens or words, got {count!r}")
+    if not chunks.exists():
+        _fail(f"chunk file {str(chunks)!r} does not exist")
+    rows = []
+    for n, line in enumerate(chunks.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            _fail(f"{chunks}:{n}: not valid JSON ({exc.msg}); each line must be an object with a `text` field")
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            _fail(f"{chunks}:{n}: each line must be a JSON object with a string `text` field")
+        rows.append(row)
+    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    tok = None
+    if count == "tokens":
+        from .models import load_tokenizer
+
+        tok = _run_guarded(lambda: load_tokenizer(model))
+    enc = hashing_encoder() if encoder == "hashing" else None
+    result = _run_guarded(lambda: prune_context(question, rows, budget, profile=prof, tokenizer=tok, encoder=enc))
+    console = Console()
+    console.print(result_table(result))
+    console.print(
+        f"kept {len(result.kept)} of {len(result.decisions)} chunks; tokens saved: {result.tokens_saved} of "
+        f"{result.tokens_total} ({100 * result.saved_fraction:.1f}%)"
+        + ("" if count == "tokens" else ", counted as whitespace words")
+    )
+    if json_out is not None:
+        json_out.write_text(json.dumps(result.to_json(), indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+@app.command()
+def chat(
+    profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = 96,
+    decay: Annotated[
+        float, typer.Option("--decay", min=0.0, max=0.99, help="how much topic memory survives a turn")
+    ] = 0.5,
+) -> None:
+    """Chat with topic memory: each turn's topic is decayed into the next turn's field. Empty line or EOF ends.
+
+    Example: ngrav chat --profile profiles/space.yaml
+    """
+    from rich.console import Console
+
+    from .memory import Conversation, TopicMemory
+    from .profile import load_profile
+
+    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    m, tok = _load(model)
+    conv = Conversation(m, tok, profile=prof, memory=TopicMemory(decay=decay), max_new_tokens=max_new_tokens)
+    console = Console()
+    for line in sys.stdin:
+        text = line.strip()
+        if not text:
+            break
+        answer = _run_guarded(lambda text=text: conv.say(text))
+        console.print(f"[bold]assistant:[/] {answer}", highlight=False)
+        words = ", ".join(f"{w} {x:.2f}" for w, x in conv.memory.words().items())
+        console.print(f"[dim]memory: {words}[/]", highlight=False)
 
 
 def main() -> None:

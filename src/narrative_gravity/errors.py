@@ -35,3 +35,7 @@ class ModelNotFoundError(NarrativeGravityError, FileNotFoundError):
 
 class ConfigurationError(NarrativeGravityError, ValueError):
     """A processor, controller or CLI argument is out of range."""
+
+
+class StoreError(NarrativeGravityError, ValueError):
+    """The profile store cannot do what was asked (bad name, unknown profile or version, unreadable snapshot)."""

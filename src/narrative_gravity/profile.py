@@ -5,9 +5,10 @@ The classic keys are accepted exactly as users write them::
     {"task_type": "code_generation", "core_semantics": ["binary_search", "algorithm", "array", "target"],
      "gravity_strength": 1.2, "penalize": ["restaurant", "movie", "recipe"], "decay_after_steps": 50}
 
-Our extensions: ``schedule`` (``constant`` or ``phases``), ``phases`` (explore/converge/strict), ``decay_half_life``,
-``prune_threshold`` and ``field`` (how surface forms are weighted). Errors name the key, the value and the
-fix, and suggest the intended key for typos.
+Our extensions: ``schedule`` (``constant``, ``phases`` or ``thermostat``), ``phases`` (explore/converge/strict),
+``thermostat`` (target narrative mass per phase, drift and entropy feedback), ``decay_half_life``,
+``prune_threshold`` and ``field`` (lexical, semantic or hybrid; how surface forms are weighted). Errors name
+the key, the value and the fix, and suggest the intended key for typos.
 
 >>> p = Profile.from_mapping({"core_semantics": ["binary_search"], "gravity_strength": 1.2})
 >>> p.keywords()
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ProfileError
 
-__all__ = ["FieldOptions", "Phases", "Profile", "load_profile"]
+__all__ = ["FieldOptions", "Phases", "Profile", "Thermostat", "load_profile"]
 
 
 def split_compound(word: str) -> list[str]:
@@ -70,12 +71,69 @@ class Phases(_Strict):
         return self
 
 
+class Thermostat(_Strict):
+    """The thermostat schedule: per row and step, the smallest pull that reaches a target narrative mass.
+
+    See :class:`~narrative_gravity.control.ThermostatController` for the rule.
+    """
+
+    max_strength: float | None = Field(
+        None, gt=0.0, le=50.0, description="λ_max; None = 4 × gravity_strength (capped at 50)"
+    )
+    explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
+    strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
+    explore_target: float = Field(0.03, ge=0.0, le=1.0, description="target narrative mass while exploring")
+    converge_target: float = Field(0.1, ge=0.0, le=1.0, description="target narrative mass while converging")
+    strict_target: float = Field(0.2, ge=0.0, le=1.0, description="target narrative mass near the end")
+    drift_window: int = Field(8, ge=1, le=512, description="recent generated tokens checked for drift")
+    drift_gain: float = Field(0.15, ge=0.0, le=1.0, description="target added when all recent tokens are off topic")
+    drift_share: float = Field(
+        0.125, gt=0.0, le=1.0, description="share of narrative tokens in the window that counts as on topic"
+    )
+    max_target: float = Field(0.95, ge=0.0, lt=1.0, description="the target never exceeds this")
+    entropy_low: float = Field(
+        0.05, ge=0.0, le=1.0, description="normalized entropy at or below which a step is left alone"
+    )
+    entropy_high: float = Field(
+        0.25, ge=0.0, le=1.0, description="normalized entropy at or above which the full target applies"
+    )
+    iterations: int = Field(14, ge=1, le=64, description="bisection steps")
+    candidates: int = Field(1024, ge=1, le=262144, description="field columns (largest |a|) used by the solver")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Thermostat:
+        if self.explore_until > self.strict_from:
+            raise ValueError(
+                f"thermostat.explore_until ({self.explore_until}) must not exceed thermostat.strict_from "
+                f"({self.strict_from}); set explore_until below strict_from"
+            )
+        if self.entropy_low >= self.entropy_high:
+            raise ValueError(
+                f"thermostat.entropy_low ({self.entropy_low}) must be below thermostat.entropy_high "
+                f"({self.entropy_high}); they bound the normalized entropy H/log V where the pull fades in"
+            )
+        return self
+
+
 class FieldOptions(_Strict):
-    """How the lexical field weighs surface forms."""
+    """How the field is built: lexical surface forms, semantic neighbours, or both."""
 
     glued_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forms without a leading space")
     first_piece_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of a multi-token word's first piece")
     max_pieces: int = Field(8, ge=1, le=32, description="longest word, in tokens, that is used")
+    mode: Literal["lexical", "semantic", "hybrid"] = Field(
+        "lexical", description="lexical: the words' surface forms; semantic: embedding neighbours; hybrid: both"
+    )
+    semantic_source: Literal["minilm", "lm"] = Field(
+        "minilm", description="token embeddings: MiniLM (all-MiniLM-L6-v2) or the generator's input embeddings"
+    )
+    semantic_topic: str | None = Field(
+        None, min_length=1, description="a sentence describing the topic; None = the core_semantics words"
+    )
+    semantic_top_k: int = Field(300, ge=1, le=20000, description="at most this many related tokens are pulled")
+    semantic_z_threshold: float = Field(3.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
+    semantic_min_value: float = Field(0.2, gt=0.0, le=1.0, description="field value of the weakest kept token")
+    semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
 
 
 class Profile(_Strict):
@@ -89,8 +147,9 @@ class Profile(_Strict):
     penalize: list[str] = Field(default_factory=list)
     decay_after_steps: int | None = Field(None, ge=0)
     decay_half_life: float = Field(25.0, gt=0.0)
-    schedule: Literal["constant", "phases"] = "phases"
+    schedule: Literal["constant", "phases", "thermostat"] = "phases"
     phases: Phases = Field(default_factory=Phases)
+    thermostat: Thermostat = Field(default_factory=Thermostat)
     prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
     field: FieldOptions = Field(default_factory=FieldOptions)
 
@@ -127,6 +186,22 @@ class Profile(_Strict):
         """Keyword arguments for :class:`~narrative_gravity.control.PhaseScheduleController`."""
         return {
             **self.phases.model_dump(),
+            "decay_after_steps": self.decay_after_steps,
+            "decay_half_life": self.decay_half_life,
+        }
+
+    def thermostat_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~narrative_gravity.control.ThermostatController`.
+
+        ``max_strength`` defaults to 4 × ``gravity_strength`` (capped at 50).
+        """
+        opts = self.thermostat.model_dump()
+        lam_max = opts.pop("max_strength")
+        if lam_max is None:
+            lam_max = min(4.0 * self.gravity_strength, 50.0)
+        return {
+            "max_strength": lam_max,
+            **opts,
             "decay_after_steps": self.decay_after_steps,
             "decay_half_life": self.decay_half_life,
         }

@@ -3,6 +3,8 @@
 >>> from narrative_gravity.profile import Profile
 >>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="constant", gravity_strength=2.0))
 ConstantController(2.0)
+>>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="thermostat", gravity_strength=2.0))
+ThermostatController(max_strength=8.0)
 """
 
 from __future__ import annotations
@@ -10,46 +12,99 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .control import ConstantController, PhaseScheduleController, StrengthController
+from .control import ConstantController, PhaseScheduleController, StrengthController, ThermostatController
+from .errors import ConfigurationError
 from .fields import NarrativeField
 from .profile import Profile
 from .thermo import Trace
 
 __all__ = ["controller_from_profile", "field_from_profile", "processor_from_profile"]
 
-_FIELD_CACHE: dict[tuple[str, int, int], NarrativeField] = {}
+_FIELD_CACHE: dict[tuple[str, int, int, int], NarrativeField] = {}
 
 
 def _tokenizer_key(tokenizer: Any) -> int:
     return id(tokenizer)
 
 
-def field_from_profile(profile: Profile, tokenizer: Any) -> NarrativeField:
-    """The lexical field of a profile for a tokenizer, built once and cached in memory."""
-    from .fields.lexical import build_lexical_field
+def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -> NarrativeField:
+    """The field of a profile for a tokenizer, built once and cached in memory.
 
+    ``field.mode`` picks it: ``lexical`` (the words' surface forms), ``semantic`` (embedding neighbours of
+    the topic, see :func:`~narrative_gravity.fields.build_semantic_field`) or ``hybrid`` (both, combined
+    with :func:`~narrative_gravity.fields.combine_fields`; penalized words stay negative). The semantic
+    source ``lm`` reads the generator's input embeddings and needs ``model``; ``minilm`` does not.
+    """
+    opts = profile.field
+    semantic = opts.mode in ("semantic", "hybrid")
+    if semantic and opts.semantic_source == "lm" and model is None:
+        raise ConfigurationError(
+            f"field.mode={opts.mode!r} with field.semantic_source='lm' reads the generator's input embeddings; "
+            "pass model= (the model you generate with), or set field.semantic_source to 'minilm'"
+        )
     spec = json.dumps(
-        {"core": profile.keywords(), "penalize": profile.penalized(), "field": profile.field.model_dump()},
+        {"core": profile.keywords(), "penalize": profile.penalized(), "field": opts.model_dump()},
         sort_keys=True,
     )
-    key = (spec, _tokenizer_key(tokenizer), len(tokenizer))
+    model_key = id(model) if semantic and opts.semantic_source == "lm" else 0
+    key = (spec, _tokenizer_key(tokenizer), len(tokenizer), model_key)
     cached = _FIELD_CACHE.get(key)
     if cached is None:
-        cached = build_lexical_field(
-            tokenizer,
-            profile.keywords(),
-            profile.penalized(),
-            glued_weight=profile.field.glued_weight,
-            first_piece_weight=profile.field.first_piece_weight,
-            max_pieces=profile.field.max_pieces,
-            name=profile.name or "profile",
-        )
+        cached = _build_field(profile, tokenizer, model)
         _FIELD_CACHE[key] = cached
     return cached
 
 
-def controller_from_profile(profile: Profile) -> StrengthController:
-    """``constant`` gives a :class:`ConstantController`; ``phases`` a :class:`PhaseScheduleController`."""
+def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField:
+    from .fields.lexical import build_lexical_field
+
+    opts = profile.field
+    name = profile.name or "profile"
+    lexical = None
+    if opts.mode in ("lexical", "hybrid") or profile.penalized():
+        lexical = build_lexical_field(
+            tokenizer,
+            profile.keywords(),
+            profile.penalized(),
+            glued_weight=opts.glued_weight,
+            first_piece_weight=opts.first_piece_weight,
+            max_pieces=opts.max_pieces,
+            name=name,
+        )
+    if opts.mode == "lexical":
+        return lexical
+    from .fields.semantic import build_semantic_field, combine_fields
+
+    semantic = build_semantic_field(
+        tokenizer,
+        opts.semantic_topic if opts.semantic_topic is not None else profile.keywords(),
+        source=opts.semantic_source,
+        model=model,
+        top_k=opts.semantic_top_k,
+        z_threshold=opts.semantic_z_threshold,
+        min_value=opts.semantic_min_value,
+        glued_weight=opts.glued_weight,
+        name=name,
+    )
+    if lexical is None:
+        return semantic
+    if opts.mode == "hybrid":
+        return combine_fields(lexical, semantic, weight=opts.semantic_weight)
+    # semantic mode: the semantic pull plus only the penalties of the lexical field
+    return combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
+
+
+def controller_from_profile(profile: Profile, *, field: NarrativeField | None = None) -> StrengthController:
+    """``constant`` gives a :class:`ConstantController`, ``phases`` a :class:`PhaseScheduleController`,
+    ``thermostat`` a :class:`ThermostatController`.
+
+    ``field`` (optional) lets the thermostat read drift through the field's base values; without it the
+    thermostat reads the step's field.
+    """
+    if profile.schedule == "thermostat":
+        return ThermostatController(
+            **profile.thermostat_kwargs(), drift_values=field.values if field is not None else None
+        )
     if profile.schedule == "constant":
         if profile.decay_after_steps is not None:
             return PhaseScheduleController(
@@ -71,13 +126,18 @@ def processor_from_profile(
     max_new_tokens: int | None = None,
     trace: Trace | None = None,
     measure_only: bool = False,
+    model: Any = None,
 ) -> Any:
-    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``."""
+    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``.
+
+    ``model`` is needed only for a semantic field built from the generator's own embeddings.
+    """
     from .engines.hf import NarrativeGravityLogitsProcessor
 
+    field = field_from_profile(profile, tokenizer, model=model)
     return NarrativeGravityLogitsProcessor(
-        field_from_profile(profile, tokenizer),
-        controller_from_profile(profile),
+        field,
+        controller_from_profile(profile, field=field),
         max_new_tokens=max_new_tokens,
         prune_threshold=profile.prune_threshold,
         trace=trace,

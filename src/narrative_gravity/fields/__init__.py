@@ -2,5 +2,16 @@
 
 from .field import NarrativeField, WordReport
 from .lexical import build_lexical_field, expand_keywords, reach, surface_forms
+from .semantic import build_semantic_field, combine_fields, semantic_scores
 
-__all__ = ["NarrativeField", "WordReport", "build_lexical_field", "expand_keywords", "reach", "surface_forms"]
+__all__ = [
+    "NarrativeField",
+    "WordReport",
+    "build_lexical_field",
+    "build_semantic_field",
+    "combine_fields",
+    "expand_keywords",
+    "reach",
+    "semantic_scores",
+    "surface_forms",
+]

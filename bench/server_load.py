@@ -1,0 +1,287 @@
+"""Load test for `ngrav serve`: N concurrent streaming clients for T seconds, from a second process on loopback.
+
+Each client sends a streaming chat (or completions) request with gravity, reads the server-sent events to the end,
+and starts the next request, until the time is up. Requests still running then get ``--grace`` seconds to finish and
+are cancelled after that, so a run always ends. Reports requests, failures, p50/p95 latency, time to first token,
+tokens/s, and the server's batching (generate calls and rows per call, from /metrics).
+
+Examples::
+
+    # against a running server
+    python bench/server_load.py --url http://127.0.0.1:8000 --clients 50 --duration 60
+
+    # start `ngrav serve` for the run (and stop it afterwards)
+    python bench/server_load.py --spawn --clients 4 --duration 5 --max-tokens 32
+
+Needs httpx (in the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+PROMPTS = (
+    "Tell me about your weekend plans.",
+    "Explain how a binary search works.",
+    "Write a short story about a lighthouse keeper.",
+    "What should I cook for dinner tonight?",
+    "Describe the view from a mountain top.",
+    "Give me three tips for learning a language.",
+)
+DEFAULT_GRAVITY = {"core_semantics": ["planet", "orbit", "star", "galaxy"], "gravity_strength": 1.5}
+
+
+@dataclass
+class Result:
+    ok: bool
+    seconds: float
+    ttft: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    clients: int
+    duration_s: float
+    wall_s: float
+    requests: int
+    ok: int
+    failures: int
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    latency_p50_s: float | None = None
+    latency_p95_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    generate_calls: float | None = None
+    rows_per_call: float | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo), 4)
+
+
+def request_body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
+    prompt = PROMPTS[i % len(PROMPTS)]
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.profile:
+        body["gravity"] = {"profile": args.profile}
+    elif not args.no_gravity:
+        body["gravity"] = DEFAULT_GRAVITY
+    if args.completions:
+        return "/v1/completions", {**body, "prompt": prompt}
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any], timeout: float) -> Result:
+    t0 = time.perf_counter()
+    try:
+        return await asyncio.wait_for(read_stream(client, path, body, t0), timeout)
+    except asyncio.TimeoutError:
+        return Result(False, time.perf_counter() - t0, error="timeout")
+    except httpx.HTTPError as exc:
+        return Result(False, time.perf_counter() - t0, error=type(exc).__name__)
+
+
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], t0: float) -> Result:
+    ttft, tokens = None, 0
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return Result(False, time.perf_counter() - t0, error=f"http {resp.status_code}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                return Result(True, time.perf_counter() - t0, ttft, tokens)
+            chunk = json.loads(data)
+            if "error" in chunk:
+                return Result(False, time.perf_counter() - t0, error=f"stream error {chunk['error'].get('code')}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text and ttft is None:
+                    ttft = time.perf_counter() - t0
+    return Result(False, time.perf_counter() - t0, error="stream ended without [DONE]")
+
+
+async def client_loop(
+    n: int, args: argparse.Namespace, client: httpx.AsyncClient, deadline: float, out: list[Result]
+) -> None:
+    i = n
+    while time.perf_counter() < deadline:
+        path, body = request_body(args, i)
+        out.append(await one_request(client, path, body, args.request_timeout))
+        i += args.clients
+
+
+def read_metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, flags=re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+async def scrape(client: httpx.AsyncClient) -> tuple[float | None, float | None]:
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None, None
+    return read_metric(text, "ngrav_generate_calls_total"), read_metric(text, "ngrav_batch_rows_total")
+
+
+async def run(args: argparse.Namespace) -> Report:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, timeout=args.request_timeout, limits=limits, trust_env=False
+    ) as client:
+        calls0, rows0 = await scrape(client)
+        results: list[Result] = []
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration
+        tasks = [asyncio.create_task(client_loop(n, args, client, deadline, results)) for n in range(args.clients)]
+        _, pending = await asyncio.wait(tasks, timeout=args.duration + args.grace)
+        for task in pending:  # bounded: whatever still runs after the grace period is cancelled
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        calls1, rows1 = await scrape(client)
+    ok = [r for r in results if r.ok]
+    kinds: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            kinds[r.error or "?"] = kinds.get(r.error or "?", 0) + 1
+    if pending:
+        kinds["cancelled after grace"] = len(pending)
+    tokens = sum(r.tokens for r in ok)
+    calls = calls1 - calls0 if calls0 is not None and calls1 is not None else None
+    rows = rows1 - rows0 if rows0 is not None and rows1 is not None else None
+    return Report(
+        clients=args.clients,
+        duration_s=args.duration,
+        wall_s=round(wall, 2),
+        requests=len(results),
+        ok=len(ok),
+        failures=len(results) - len(ok) + len(pending),
+        failure_kinds=kinds,
+        latency_p50_s=percentile([r.seconds for r in ok], 0.5),
+        latency_p95_s=percentile([r.seconds for r in ok], 0.95),
+        ttft_p50_s=percentile([r.ttft for r in ok if r.ttft is not None], 0.5),
+        ttft_p95_s=percentile([r.ttft for r in ok if r.ttft is not None], 0.95),
+        tokens=tokens,
+        tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0,
+        requests_per_s=round(len(ok) / wall, 3) if wall > 0 else 0.0,
+        generate_calls=calls,
+        rows_per_call=round(rows / calls, 2) if calls and rows is not None else None,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    port = free_port()
+    args.url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "narrative_gravity.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    if args.server_model:
+        cmd += ["--model", args.server_model]
+        args.model = args.server_model  # the server's model id is its --model
+    cmd += args.server_arg
+    env = dict(os.environ)
+    if args.api_key:
+        env["NGRAV_API_KEY"] = args.api_key
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{args.url}/health", timeout=1, trust_env=False).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    stop_server(proc)
+    raise SystemExit(f"the server was not ready after {args.startup_timeout} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (ignored with --spawn)")
+    p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds to keep sending requests")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds before one request counts as failed")
+    p.add_argument("--model", default="smollm2", help="the `model` field sent (the server's model id)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
+    p.add_argument("--profile", help="send gravity as {'profile': NAME} from the server's store")
+    p.add_argument("--no-gravity", action="store_true", help="send no gravity (the control)")
+    p.add_argument("--api-key", default=os.environ.get("NGRAV_API_KEY"), help="default: $NGRAV_API_KEY")
+    p.add_argument("--json", help="also write the report to this file")
+    p.add_argument("--spawn", action="store_true", help="start `ngrav serve` on a free loopback port for the run")
+    p.add_argument("--server-model", help="--model for the spawned server")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for the spawned server")
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    args = p.parse_args(argv)
+    if args.clients < 1 or args.duration <= 0:
+        p.error("--clients must be >= 1 and --duration > 0")
+    proc = spawn_server(args) if args.spawn else None
+    try:
+        report = asyncio.run(run(args))
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    print(json.dumps(asdict(report), indent=2))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(asdict(report), fh, indent=2)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

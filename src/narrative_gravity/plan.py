@@ -1,0 +1,613 @@
+"""Plan-level pruning: draft short outlines, keep the one that fits the narrative, and write along its sections.
+
+1. **Draft** ``n`` short outlines with sampling (``"Write a 3-point outline for: ..."``), in one batch.
+2. **Score** each: *fit* (MiniLM cosine of the outline to the prompt, and to the profile's narrative when
+   given), *coherence* (mean pairwise cosine of its sections, less a penalty for each pair that is a
+   near-duplicate), *completeness* (sections found / sections asked for), and *distinctness* from the other
+   drafts (1 - mean cosine to them). ``score = completeness · (fit + coherence_weight · coherence -
+   duplicate_penalty · duplicate share)``; the best draft is kept (:func:`select_outlines` with ``k > 1``
+   keeps several by MMR, trading score against similarity to the drafts already kept).
+3. **Stages**: each section becomes a :class:`Stage` (its content words, a share of the token budget), each
+   stage a lexical field (:func:`~narrative_gravity.fields.build_lexical_field`), and
+   :class:`StagedLogitsProcessor` pulls every row toward its current stage, moving on when the stage's
+   content is covered (``cover_fraction`` of its words generated) or its token share is spent. The pull is
+   :func:`narrative_gravity.core.apply_gravity`; the per-row stage bookkeeping is a handful of batched
+   tensor operations (no loop over rows).
+
+Stages can also be declared by hand (``[{"name": ..., "core_semantics": [...], "share": 0.5}, ...]``, see
+:func:`parse_stages`).
+
+>>> parse_outline("1. Early lenses\\n2. Galileo's telescope\\n3. Modern observatories")
+['Early lenses', "Galileo's telescope", 'Modern observatories']
+>>> [s.share for s in parse_stages([{"name": "a", "core_semantics": ["x"], "share": 0.25},
+...                                {"name": "b", "core_semantics": ["y"]}])]
+[0.25, 0.75]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from .context import STOPWORDS, _word_set, content_words
+from .control import ConstantController, StepContext, StrengthController
+from .core import apply_gravity
+from .errors import ConfigurationError, FieldError
+from .fields import NarrativeField
+from .fields.lexical import build_lexical_field, reach, surface_forms
+
+__all__ = [
+    "Outline",
+    "PlanResult",
+    "Stage",
+    "StagedLogitsProcessor",
+    "build_stage_fields",
+    "draft_outlines",
+    "outline_prompt",
+    "parse_outline",
+    "parse_stages",
+    "plan_then_write",
+    "score_outlines",
+    "select_outlines",
+    "stages_from_outline",
+]
+
+Encoder = Callable[[Sequence[str]], Any]
+
+# words of outline boilerplate that say nothing about a section's topic
+_OUTLINE_WORDS = _word_set(
+    "introduction conclusion overview summary section part intro body final first second third fourth fifth "
+    "discuss discussion discussing discusses explore exploring talk talks brief briefly key main important "
+    "including include includes example examples title outline short article essay story paragraph text post blog"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# stages
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One section of a plan: a name, the words it should cover, and its share of the token budget."""
+
+    name: str
+    core_semantics: list[str]
+    share: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "core_semantics": list(self.core_semantics), "share": round(self.share, 4)}
+
+
+def parse_stages(stages: Sequence[Mapping[str, Any] | Stage]) -> list[Stage]:
+    """Validate hand-written stages; shares left out split what the given shares leave, equally.
+
+    Each entry needs ``core_semantics`` (a non-empty list of words); ``name`` defaults to ``stage N``;
+    ``share`` is a fraction in ``(0, 1]``. Shares that add up to more than 1 are an error.
+    """
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        raise ConfigurationError(
+            f"`stages` has to be a non-empty list of {{name, core_semantics, share}} mappings, but is {stages!r}"
+        )
+    names, words, shares = [], [], []
+    for i, s in enumerate(stages):
+        if isinstance(s, Stage):
+            s = s.to_json()
+        if not isinstance(s, Mapping):
+            raise ConfigurationError(f"stages[{i}] has to be a mapping, but is {type(s).__name__}")
+        extra = set(s) - {"name", "core_semantics", "share"}
+        if extra:
+            raise ConfigurationError(
+                f"stages[{i}] has unknown keys {sorted(extra)}; allowed are name, core_semantics, share"
+            )
+        ws = s.get("core_semantics")
+        if isinstance(ws, str) or not isinstance(ws, Sequence) or not [w for w in ws if str(w).strip()]:
+            raise ConfigurationError(f"stages[{i}].core_semantics has to be a non-empty list of words, but is {ws!r}")
+        share = s.get("share")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise ConfigurationError(f"stages[{i}].share has to be a number in (0, 1], but is {share!r}")
+        names.append(str(s.get("name") or f"stage {i + 1}"))
+        words.append([str(w).strip() for w in ws if str(w).strip()])
+        shares.append(None if share is None else float(share))
+    given = sum(x for x in shares if x is not None)
+    if given > 1 + 1e-9:
+        raise ConfigurationError(f"stage shares add up to {given:g}, more than 1; lower them or leave some out")
+    missing = [i for i, x in enumerate(shares) if x is None]
+    rest = (1.0 - given) / len(missing) if missing else 0.0
+    if missing and rest <= 0:
+        raise ConfigurationError(
+            "the given stage shares use the whole budget and leave nothing for stages without a share"
+        )
+    return [Stage(n, w, x if x is not None else rest) for n, w, x in zip(names, words, shares)]
+
+
+def build_stage_fields(tokenizer: Any, stages: Sequence[Stage], **kwargs: Any) -> list[NarrativeField]:
+    """One lexical field per stage, from the stage's reachable words (``kwargs`` go to
+    :func:`~narrative_gravity.fields.build_lexical_field`). A stage with no reachable word gets a zero field."""
+    out = []
+    for s in stages:
+        ok, _ = reach(tokenizer, s.core_semantics, max_pieces=kwargs.get("max_pieces", 8))
+        if ok:
+            out.append(build_lexical_field(tokenizer, ok, name=s.name, **kwargs))
+        else:
+            out.append(NarrativeField(values=torch.zeros(kwargs.get("vocab_size") or len(tokenizer)), name=s.name))
+    return out
+
+
+class StagedLogitsProcessor(LogitsProcessor):
+    """Pull every row toward the field of its current stage; advance when the stage is covered or spent.
+
+    Args:
+        fields: one :class:`~narrative_gravity.fields.NarrativeField` per stage, in order.
+        shares: each stage's fraction of ``max_new_tokens`` (a stage ends when it has used that many tokens).
+        words: for each stage, for each of its words, the token-id sequences of the word's surface forms (see
+            :func:`~narrative_gravity.fields.lexical.surface_forms`); a word counts as generated when a row's
+            last tokens spell one of its forms. ``None`` = stages advance on their share only.
+        controller: a strength controller (default: constant ``strength``).
+        strength: λ when no controller is given.
+        max_new_tokens: the budget the shares divide.
+        cover_fraction: a stage is covered once this share of its words (at least one) has been generated.
+
+    ``stage`` holds each row's current stage after a call (``[B]``). Scores are returned as a new tensor.
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[NarrativeField],
+        shares: Sequence[float],
+        *,
+        words: Sequence[Sequence[Sequence[int]]] | None = None,
+        controller: StrengthController | None = None,
+        strength: float = 1.5,
+        max_new_tokens: int,
+        cover_fraction: float = 0.5,
+    ) -> None:
+        if not fields or any(not isinstance(f, NarrativeField) for f in fields):
+            raise ConfigurationError("`fields` has to be a non-empty list of NarrativeField, one per stage")
+        if len(shares) != len(fields) or any(not (isinstance(s, (int, float)) and s > 0) for s in shares):
+            raise ConfigurationError(
+                f"`shares` needs one positive number per stage ({len(fields)}), but is {list(shares)!r}"
+            )
+        if words is not None and len(words) != len(fields):
+            raise ConfigurationError(f"`words` needs one list per stage ({len(fields)}), but has {len(words)}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
+        if not 0 < cover_fraction <= 1:
+            raise ConfigurationError(f"`cover_fraction` has to be in (0, 1], but is {cover_fraction!r}")
+        self.controller = controller if controller is not None else ConstantController(strength)
+        self.max_new_tokens = max_new_tokens
+        n = len(fields)
+        vocab = max(f.vocab_size for f in fields)
+        self.values = torch.stack([f.fit_vocab(vocab).values for f in fields])  # [S, V]
+        # one continuation table for all stages, each entry tagged with its stage
+        tables = [(s, f) for s, f in enumerate(fields) if f.has_continuations]
+        self.prefixes = self.next_ids = self.next_values = self.entry_stage = None
+        if tables:
+            width = max(f.max_prefix_len for _, f in tables)
+            self.prefixes = torch.cat(
+                [torch.nn.functional.pad(f.prefixes, (width - f.max_prefix_len, 0), value=-1) for _, f in tables]
+            )
+            self.next_ids = torch.cat([f.next_ids for _, f in tables])
+            self.next_values = torch.cat([f.next_values for _, f in tables])
+            self.entry_stage = torch.cat([torch.full((f.next_ids.shape[0],), s) for s, f in tables])
+        # every surface form of every stage word, right-aligned, tagged with its stage and word
+        n_words = [len(w) for w in words] if words is not None else [0] * n
+        self.n_words = max(1, *n_words)
+        rows = [
+            (s, j, tuple(form))
+            for s, ws in enumerate(words or [])
+            for j, forms in enumerate(ws)
+            for form in forms
+            if form and all(0 <= t < vocab for t in form)
+        ]
+        self.forms = self.form_slot = None
+        if rows:
+            lf = max(len(f) for *_, f in rows)
+            self.forms = torch.tensor([[-1] * (lf - len(f)) + list(f) for *_, f in rows], dtype=torch.long)
+            self.form_stage = torch.tensor([s for s, _, _ in rows], dtype=torch.long)
+            self.form_slot = torch.tensor([s * self.n_words + j for s, j, _ in rows], dtype=torch.long)
+        need = [max(1, math.ceil(cover_fraction * k)) if k else 10**9 for k in n_words]
+        self.need = torch.tensor(need, dtype=torch.long)
+        self.budget = torch.tensor([max(1, round(s * max_new_tokens)) for s in shares], dtype=torch.long)
+        self.n_stages = n
+        self.reset()
+
+    @classmethod
+    def from_stages(cls, tokenizer: Any, stages: Sequence[Stage] | Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
+        """Build the fields and word tables of ``stages`` for ``tokenizer``; ``kwargs`` go to the constructor."""
+        parsed = parse_stages(stages)
+        fields = build_stage_fields(tokenizer, parsed)
+        words = []
+        for s in parsed:
+            ok, _ = reach(tokenizer, s.core_semantics, max_pieces=8)
+            words.append([surface_forms(tokenizer, w) for w in ok])
+        return cls(fields, [s.share for s in parsed], words=words, **kwargs)
+
+    def reset(self) -> None:
+        self._last_len: int | None = None
+        self._prompt_len = 0
+        self.stage: torch.Tensor | None = None
+        self._start: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None
+
+    def _to(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self.values.device != device or self.values.dtype != dtype:
+            self.values = self.values.to(device, dtype)
+            self.need, self.budget = self.need.to(device), self.budget.to(device)
+            if self.forms is not None:
+                self.forms, self.form_stage, self.form_slot = (
+                    t.to(device) for t in (self.forms, self.form_stage, self.form_slot)
+                )
+            if self.prefixes is not None:
+                self.prefixes, self.next_ids, self.entry_stage = (
+                    t.to(device) for t in (self.prefixes, self.next_ids, self.entry_stage)
+                )
+                self.next_values = self.next_values.to(device, dtype)
+
+    def _advance(self, input_ids: torch.Tensor, step: int) -> None:
+        """Mark the words whose full form the rows just finished, and move rows whose stage is covered or spent."""
+        b = input_ids.shape[0]
+        rows = torch.arange(b, device=input_ids.device)
+        if self.forms is not None:
+            lf = self.forms.shape[1]
+            tail = input_ids[:, -lf:]
+            if tail.shape[1] < lf:
+                tail = torch.nn.functional.pad(tail, (lf - tail.shape[1], 0), value=-2)
+            done = ((tail[:, None, :] == self.forms[None]) | (self.forms[None] < 0)).all(dim=-1)  # [B, F]
+            done &= self.form_stage[None] == self.stage[:, None]
+            hits = torch.zeros(b, self._seen[0].numel(), device=input_ids.device)
+            hits.scatter_add_(1, self.form_slot[None].expand(b, -1), done.float())
+            self._seen |= (hits > 0).view_as(self._seen)
+        covered = self._seen[rows, self.stage].sum(dim=-1)
+        spent = step - self._start
+        move = ((covered >= self.need[self.stage]) | (spent >= self.budget[self.stage])) & (
+            self.stage < self.n_stages - 1
+        )
+        self.stage = self.stage + move.long()
+        self._start = torch.where(move, torch.full_like(self._start, step), self._start)
+
+    def _field(self, input_ids: torch.Tensor) -> torch.Tensor:
+        a = self.values[self.stage]  # [B, V]
+        if self.prefixes is None:
+            return a
+        b = input_ids.shape[0]
+        lp = self.prefixes.shape[1]
+        tail = input_ids[:, -lp:]
+        if tail.shape[1] < lp:
+            tail = torch.nn.functional.pad(tail, (lp - tail.shape[1], 0), value=-2)
+        pref = self.prefixes
+        match = ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)  # [B, E]
+        match &= self.entry_stage[None] == self.stage[:, None]
+        cont = torch.zeros_like(a)
+        cont.scatter_add_(1, self.next_ids[None].expand(b, -1), match.to(a.dtype) * self.next_values[None])
+        return (a + cont).clamp(-1.0, 1.0)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.dim() != 2 or input_ids.dim() != 2 or input_ids.shape[0] != scores.shape[0]:
+            raise ConfigurationError(
+                f"expected input_ids [B, T] and scores [B, V] with the same B, got {tuple(input_ids.shape)} "
+                f"and {tuple(scores.shape)}"
+            )
+        if scores.shape[-1] < self.values.shape[1]:
+            raise FieldError(
+                f"the logits have {scores.shape[-1]} columns but the stage fields are {self.values.shape[1]} wide; "
+                "build them with the tokenizer of the model you generate with"
+            )
+        self._to(scores.device, scores.dtype)
+        length = input_ids.shape[-1]
+        b = input_ids.shape[0]
+        if self._last_len is None or length != self._last_len + 1 or self.stage is None or self.stage.shape[0] != b:
+            self._prompt_len = length
+            self.stage = torch.zeros(b, dtype=torch.long, device=scores.device)
+            self._start = torch.zeros(b, dtype=torch.long, device=scores.device)
+            self._seen = torch.zeros(b, self.n_stages, self.n_words, dtype=torch.bool, device=scores.device)
+        else:
+            self._advance(input_ids, length - self._prompt_len)
+        self._last_len = length
+        step = length - self._prompt_len
+        a = self._field(input_ids)
+        if a.shape[1] < scores.shape[1]:
+            a = torch.nn.functional.pad(a, (0, scores.shape[1] - a.shape[1]))
+        ctx = StepContext(
+            step=step,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=b,
+            device=scores.device,
+            logits=scores,
+            field=a,
+            input_ids=input_ids,
+        )
+        return apply_gravity(scores, a, self.controller(ctx))
+
+
+# --------------------------------------------------------------------------------------------------
+# outlines
+
+
+def outline_prompt(prompt: str, sections: int = 3) -> str:
+    return (
+        f"Write a {sections}-point outline for: {prompt}\n"
+        f"Answer with exactly {sections} numbered points (1., 2., ...), a few words each, no title."
+    )
+
+
+_ITEM = re.compile(r"^\s*(?:\d+[.)]|[-*•]|[IVX]+\.)\s*(.+?)\s*$")
+_HEADER = re.compile(r"^(?:title|outline|sections?|points?|plan)\b.*$|^.*:$", re.IGNORECASE)
+
+
+def parse_outline(text: str, max_sections: int | None = None) -> list[str]:
+    """The sections of an outline: numbered or bulleted lines; without any, the non-empty lines. Markup
+    (``**``, ``<<>>``, ``#``) is stripped, and header lines (``Title``, ``Outline:``) are left out."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    items = [m.group(1) for ln in lines if (m := _ITEM.match(ln))]
+    if not items:
+        items = lines
+    items = [re.sub(r"[*#<>\[\]_`\"]+", "", i).strip(" :-") for i in items]
+    items = [i for i in items if i and not _HEADER.match(i)]
+    return items[:max_sections] if max_sections else items
+
+
+@dataclass(frozen=True)
+class Outline:
+    text: str
+    sections: list[str]
+    fit: float
+    coherence: float
+    duplicates: float
+    completeness: float
+    distinct: float
+    score: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sections": self.sections,
+            **{k: round(getattr(self, k), 4) for k in ("fit", "coherence", "duplicates", "completeness")},
+            "distinct": round(self.distinct, 4),
+            "score": round(self.score, 4),
+        }
+
+
+def _default_encoder() -> Encoder:
+    from .embeddings import encode
+
+    return encode
+
+
+def _embed(encoder: Encoder, texts: Sequence[str]) -> np.ndarray:
+    out = encoder(list(texts))
+    arr = (out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)).astype(np.float64)
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    return arr / np.where(norms > 0, norms, 1.0)
+
+
+def score_outlines(
+    prompt: str,
+    texts: Sequence[str],
+    *,
+    sections: int = 3,
+    narrative: str | None = None,
+    encoder: Encoder | None = None,
+    coherence_weight: float = 0.3,
+    duplicate_threshold: float = 0.9,
+    duplicate_penalty: float = 0.5,
+) -> list[Outline]:
+    """Score outline drafts for fit, coherence, completeness and distinctness (see the module doc)."""
+    if not texts:
+        return []
+    encoder = encoder or _default_encoder()
+    parsed = [parse_outline(t, sections) for t in texts]
+    flat = [s for secs in parsed for s in secs]
+    whole = ["\n".join(secs) or t for secs, t in zip(parsed, texts)]
+    targets = [prompt] + ([narrative] if narrative else [])
+    emb = _embed(encoder, targets + whole + flat)
+    tgt = emb[: len(targets)]
+    doc = emb[len(targets) : len(targets) + len(texts)]
+    sec = emb[len(targets) + len(texts) :]
+    pair = doc @ doc.T
+    out, k = [], 0
+    for i, secs in enumerate(parsed):
+        e = sec[k : k + len(secs)]
+        k += len(secs)
+        fit = float((doc[i] @ tgt.T).mean())
+        if len(secs) > 1:
+            sims = (e @ e.T)[np.triu_indices(len(secs), 1)]
+            coherence, dup = float(sims.mean()), float((sims >= duplicate_threshold).mean())
+        else:
+            coherence, dup = 0.0, 0.0
+        informative = sum(1 for x in secs if any(w not in _OUTLINE_WORDS for w in content_words(x)))
+        completeness = min(1.0, informative / sections)
+        others = np.delete(pair[i], i)
+        distinct = float(1.0 - others.mean()) if others.size else 1.0
+        score = completeness * (fit + coherence_weight * coherence - duplicate_penalty * dup)
+        out.append(Outline(texts[i], secs, fit, coherence, dup, completeness, distinct, score))
+    return out
+
+
+def select_outlines(
+    outlines: Sequence[Outline], k: int = 1, *, diversity: float = 0.3, encoder: Encoder | None = None
+) -> list[Outline]:
+    """The ``k`` best outlines: the top score first, then by MMR (score less ``diversity`` × the highest
+    cosine to an outline already kept)."""
+    if k < 1:
+        raise ConfigurationError(f"`k` has to be >= 1, but is {k}")
+    if not outlines:
+        return []
+    ranked = sorted(outlines, key=lambda o: -o.score)
+    if k == 1 or len(ranked) == 1:
+        return ranked[:1]
+    emb = _embed(encoder or _default_encoder(), ["\n".join(o.sections) or o.text for o in ranked])
+    chosen = [0]
+    while len(chosen) < min(k, len(ranked)):
+        rest = [i for i in range(len(ranked)) if i not in chosen]
+        best = max(rest, key=lambda i: ranked[i].score - diversity * max(float(emb[i] @ emb[j]) for j in chosen))
+        chosen.append(best)
+    return [ranked[i] for i in chosen]
+
+
+def stages_from_outline(
+    outline: Outline | Sequence[str], *, words_per_stage: int = 6, extra_words: Sequence[str] = ()
+) -> list[Stage]:
+    """One stage per section: its first ``words_per_stage`` content words (boilerplate like "introduction"
+    left out) plus ``extra_words`` (e.g. the profile's core words), equal shares."""
+    sections = outline.sections if isinstance(outline, Outline) else list(outline)
+    stages = []
+    for i, sec in enumerate(sections):
+        ws = [w for w in content_words(sec) if w not in _OUTLINE_WORDS and w not in STOPWORDS]
+        ws = list(dict.fromkeys(ws))[:words_per_stage]
+        ws += [w for w in extra_words if w not in ws]
+        if ws:
+            stages.append({"name": sec[:60] or f"section {i + 1}", "core_semantics": ws})
+    if not stages:
+        raise ConfigurationError(
+            f"no section of the outline has a content word ({sections!r}); draft again or pass stages by hand"
+        )
+    return parse_stages(stages)
+
+
+def draft_outlines(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    n: int = 4,
+    sections: int = 3,
+    max_new_tokens: int = 40,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    raw: bool | None = None,
+) -> list[Any]:
+    """``n`` sampled outline drafts in one batch: :class:`~narrative_gravity.generation.GenerationResult` s.
+
+    ``raw=None`` uses the chat template when the tokenizer has one, plain continuation otherwise."""
+    from .generation import SamplingOptions, generate
+
+    if n < 1:
+        raise ConfigurationError(f"`n` has to be >= 1, but is {n}")
+    opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+    if raw is None:
+        raw = not getattr(tokenizer, "chat_template", None)
+    return generate(model, tokenizer, [outline_prompt(prompt, sections)] * n, options=opts, batch_size=n, raw=raw)
+
+
+@dataclass
+class PlanResult:
+    """The written text, the plan it followed, and what it cost."""
+
+    prompt: str
+    text: str
+    outline: Outline | None
+    outlines: list[Outline]
+    stages: list[Stage]
+    draft_tokens: int
+    write_tokens: int
+    seconds: float
+    final_stage: list[int] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.draft_tokens + self.write_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "outline": self.outline.to_json() if self.outline else None,
+            "outlines": [o.to_json() for o in self.outlines],
+            "stages": [s.to_json() for s in self.stages],
+            "draft_tokens": self.draft_tokens,
+            "write_tokens": self.write_tokens,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def plan_then_write(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    profile: Any = None,
+    stages: Sequence[Stage] | Sequence[Mapping[str, Any]] | None = None,
+    n_drafts: int = 4,
+    sections: int = 3,
+    outline_tokens: int = 40,
+    max_new_tokens: int = 160,
+    strength: float = 1.5,
+    cover_fraction: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 10,
+    seed: int = 0,
+    encoder: Encoder | None = None,
+    include_outline: bool = True,
+    raw: bool | None = None,
+    prompt_words: int = 4,
+) -> PlanResult:
+    """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a :class:`StagedLogitsProcessor`.
+
+    With ``stages`` given by hand, no outline is drafted. A ``profile`` adds its narrative to the outline
+    score and its core words to every stage; without one, the prompt's first ``prompt_words`` content words
+    join every stage.
+    """
+    from .context import narrative_text
+    from .generation import SamplingOptions, generate
+
+    t0 = time.perf_counter()
+    if raw is None:
+        raw = not getattr(tokenizer, "chat_template", None)
+    if profile is not None:
+        extra = list(profile.keywords())
+    else:  # the prompt's own topic words keep every section on the prompt
+        extra = [w for w in dict.fromkeys(content_words(prompt)) if w not in _OUTLINE_WORDS][:prompt_words]
+    outlines: list[Outline] = []
+    best: Outline | None = None
+    draft_tokens = 0
+    if stages is None:
+        drafts = draft_outlines(
+            model,
+            tokenizer,
+            prompt,
+            n=n_drafts,
+            sections=sections,
+            max_new_tokens=outline_tokens,
+            seed=seed,
+            raw=raw,
+        )
+        draft_tokens = sum(d.new_tokens for d in drafts)
+        outlines = score_outlines(
+            prompt,
+            [d.text for d in drafts],
+            sections=sections,
+            narrative=narrative_text(profile) if profile is not None else None,
+            encoder=encoder,
+        )
+        best = select_outlines(outlines, 1)[0]
+        plan = stages_from_outline(best, extra_words=extra)
+    else:
+        plan = parse_stages(stages)
+    processor = StagedLogitsProcessor.from_stages(
+        tokenizer, plan, strength=strength, max_new_tokens=max_new_tokens, cover_fraction=cover_fraction
+    )
+    write = prompt
+    if include_outline and best is not None:
+        write = f"{prompt}\nFollow this outline:\n" + "\n".join(f"{i + 1}. {s}" for i, s in enumerate(best.sections))
+    opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+    out = generate(model, tokenizer, [write], options=opts, processor_factory=lambda _n, _t: processor, raw=raw)[0]
+    final = processor.stage.tolist() if processor.stage is not None else []
+    return PlanResult(
+        prompt=prompt,
+        text=out.text,
+        outline=best,
+        outlines=outlines,
+        stages=plan,
+        draft_tokens=draft_tokens,
+        write_tokens=out.new_tokens,
+        seconds=time.perf_counter() - t0,
+        final_stage=final,
+    )

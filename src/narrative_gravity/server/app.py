@@ -1,0 +1,738 @@
+"""The FastAPI app: OpenAI-compatible routes, the profile store over HTTP, metrics, and ``serve``.
+
+Routes (all but ``/health`` need ``Authorization: Bearer KEY`` when the server has an API key):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI requests plus ``gravity``; ``stream: true``
+  answers with server-sent events (``data: {...}``, then ``data: [DONE]``).
+- ``GET /v1/models``, ``GET /v1/models/{id}``.
+- ``GET /v1/profiles``; ``GET|PUT /v1/profiles/{name}``; ``GET /v1/profiles/{name}/history``;
+  ``GET /v1/profiles/{name}/diff?from=A&to=B``; ``POST /v1/profiles/{name}/rollback`` with ``{"to": N}``.
+- ``GET /metrics`` (Prometheus text) and ``GET /health``.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``; unexpected failures answer a generic ``500``
+and are logged with their traceback, never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..errors import ConfigurationError, NarrativeGravityError, StoreError
+
+try:  # the `server` extra; the module still imports without it, and create_app() says what to install
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
+    _MISSING: str | None = exc.name
+else:
+    _MISSING = None
+
+from ..store import ProfileStore
+from .backend import Backend, ResolvedGravity, RowStats, Sampling
+from .config import ServerConfig
+from .detok import ChoiceText
+from .gravity import GravityResolver, public_message
+from .metrics import Metrics
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationParams,
+    chat_messages,
+    completion_prompts,
+    generation_params,
+    parse_json,
+    parse_request,
+)
+from .scheduler import BatchScheduler, Job
+
+__all__ = ["create_app", "serve"]
+
+log = logging.getLogger("narrative_gravity.server")
+
+OPEN_PATHS = frozenset({"/health"})
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class _GuardMiddleware:
+    """Checks the API key and the declared body size before any route runs or any body byte is read."""
+
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        error = None
+        if self.key is not None and scope.get("path") not in OPEN_PATHS:
+            error = self._auth_error(headers.get(b"authorization"))
+        if error is None and b"content-length" in headers:
+            try:
+                declared = int(headers[b"content-length"])
+            except ValueError:
+                error = APIError(400, "the Content-Length header is not a number", code="invalid_request")
+            else:
+                if declared > self.max_body_bytes:
+                    error = _too_large(self.max_body_bytes)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        self.metrics.error(error.status, error.code)
+        await _json_response(error.status, error.body(), error.headers)(scope, receive, send)
+
+    def _auth_error(self, header: bytes | None) -> APIError | None:
+        assert self.key is not None
+        auth = {"WWW-Authenticate": "Bearer"}
+        if not header:
+            return APIError(
+                401,
+                "missing API key: send the header `Authorization: Bearer <key>`",
+                code="missing_api_key",
+                headers=auth,
+            )
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            return APIError(401, "invalid API key", code="invalid_api_key", headers=auth)
+        return None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than this server's limit of {limit} bytes; send less", code="body_too_large"
+    )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it passes ``limit`` bytes (chunked uploads have no Content-Length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ----------------------------------------------------------------------------------------------- generation
+
+
+class _Reader:
+    """Turns a job's token events into text deltas per choice, and keeps the stats of finished rows."""
+
+    def __init__(self, job: Job, backend: Backend, params: GenerationParams, started: float) -> None:
+        self.job = job
+        self.texts = [
+            ChoiceText(backend.decode, eos_ids=backend.eos_ids, max_tokens=row.max_tokens, stop=params.stop)
+            for row in job.rows
+        ]
+        self.stats: dict[int, RowStats] = {}
+        self.started = started
+        self.first_token_at: float | None = None
+
+    async def events(self, *, wait_for_stats: bool) -> AsyncIterator[tuple[int, str, str | None]]:
+        """``(choice index, new text, finish reason or None)``; ends when every choice is finished (and, with
+        ``wait_for_stats``, when every row's batch has ended)."""
+        n = len(self.texts)
+        open_, ended = set(range(n)), 0
+        while open_ or (wait_for_stats and ended < n):
+            index, kind, payload = await self.job.events.get()
+            text = self.texts[index]
+            if kind == "token":
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                delta = text.push(payload)
+            elif kind == "end":
+                ended += 1
+                self.stats[index] = payload
+                delta = text.end()
+            else:
+                raise payload
+            if index in open_ and text.finish_reason is not None:
+                open_.discard(index)
+                self.job.rows[index].cancelled = True  # the batch may drop this row now
+                yield index, delta, text.finish_reason
+            elif delta:
+                yield index, delta, None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t.n_tokens for t in self.texts)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def gravity_stats(self) -> dict[str, float]:
+        """Means of the rows' trace means (the request's narrative mass and KL)."""
+        rows = [s.gravity_json() for s in self.stats.values() if s.narrative_mass is not None]
+        if not rows:
+            return {}
+        return {k: round(sum(r[k] for r in rows) / len(rows), 5) for k in rows[0]}
+
+
+def _error_event(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    log.error("generation failed", exc_info=exc)
+    return APIError(500, "generation failed; the server log has the details", code="internal_error")
+
+
+# ----------------------------------------------------------------------------------------------- app
+
+
+def _require_server_extra() -> None:
+    if _MISSING is not None:
+        raise ConfigurationError(
+            f"the server needs FastAPI and uvicorn ({_MISSING} is missing); install them with:\n"
+            "    pip install 'narrative-gravity[server]'"
+        )
+
+
+def create_app(
+    backend: Backend,
+    *,
+    config: ServerConfig | None = None,
+    store: ProfileStore | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """The ASGI app serving ``backend``. ``store`` defaults to :func:`~narrative_gravity.store.default_store_root`."""
+    _require_server_extra()
+    config = config or ServerConfig()
+    store = store if store is not None else ProfileStore()
+    metrics = metrics if metrics is not None else Metrics()
+    resolver = GravityResolver(store)
+    scheduler = BatchScheduler(
+        backend,
+        max_batch_size=config.max_batch_size,
+        window_s=config.batch_window_ms / 1000.0,
+        max_queue=config.max_queue,
+        metrics=metrics,
+    )
+    started_at = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await scheduler.start()
+        log.info(
+            "serving %s (%s engine) with batches of up to %d rows",
+            backend.model_id,
+            backend.name,
+            config.max_batch_size,
+        )
+        try:
+            yield
+        finally:
+            await scheduler.stop()
+
+    app = FastAPI(
+        title="narrative-gravity",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.store = store
+    app.state.backend = backend
+    app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+
+    # --------------------------------------------------------------------------------------- errors
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.error(exc.status, exc.code)
+        return _json_response(exc.status, exc.body(), exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {request.method} {request.url.path}; see /v1/models", code="not_found")
+        elif exc.status_code == 405:
+            err = APIError(405, f"{request.url.path} does not accept {request.method}", code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        return await _api_error(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return await _api_error(request, APIError(400, f"`{param}`: {first['msg']}", param=param))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        metrics.error(500, "internal_error")
+        return _json_response(
+            500, APIError(500, "internal server error; the server log has the details", code="internal_error").body()
+        )
+
+    # --------------------------------------------------------------------------------------- plain routes
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": backend.model_id,
+            "engine": backend.name,
+            "queued_rows": scheduler.queued,
+            "running_rows": scheduler.running,
+            "generate_calls": metrics.batches,
+        }
+
+    @app.get("/metrics")
+    async def metrics_route() -> PlainTextResponse:
+        gauges = {
+            "ngrav_queued_rows": ("Rows waiting for a batch.", scheduler.queued),
+            "ngrav_running_rows": ("Rows in the running batch.", scheduler.running),
+        }
+        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": backend.model_id, "object": "model", "created": started_at, "owned_by": "narrative-gravity"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, param="model_id")
+        return model_card()
+
+    def check_model(name: str, *, param: str = "model") -> None:
+        if name != backend.model_id:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; this server serves {backend.model_id!r} (see /v1/models)",
+                param=param,
+                code="model_not_found",
+            )
+
+    # --------------------------------------------------------------------------------------- generation
+
+    async def resolve_gravity(spec: Any) -> ResolvedGravity | None:
+        if spec is not None and not config.allow_inline_gravity and not (isinstance(spec, dict) and "profile" in spec):
+            raise APIError(
+                403,
+                'this server accepts only stored profiles: send "gravity": {"profile": "NAME"} (see /v1/profiles)',
+                param="gravity",
+                code="inline_gravity_disabled",
+            )
+
+        def work() -> ResolvedGravity | None:
+            gravity = resolver.resolve(spec)
+            if gravity is not None:
+                try:
+                    backend.prepare(gravity.profile)
+                except NarrativeGravityError as exc:
+                    raise APIError(400, f"gravity: {exc}", param="gravity", code="invalid_profile") from None
+            return gravity
+
+        return await asyncio.to_thread(work)
+
+    def encode(prompt: str | list[int] | list[dict[str, str]], *, chat: bool) -> list[int]:
+        try:
+            if chat:
+                ids = backend.encode_chat(prompt)  # type: ignore[arg-type]
+            elif isinstance(prompt, list):
+                backend.check_ids(prompt)  # type: ignore[arg-type]
+                ids = list(prompt)  # type: ignore[arg-type]
+            else:
+                ids = backend.encode_text(prompt)
+        except NarrativeGravityError as exc:
+            raise APIError(400, str(exc), param="messages" if chat else "prompt") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):
+                raise APIError(
+                    400, f"the model's chat template refused these messages: {exc}", param="messages"
+                ) from None
+            raise
+        if not ids:
+            raise APIError(400, "the prompt is empty; send some text", param="messages" if chat else "prompt")
+        return ids
+
+    def check_length(ids: list[int], max_tokens: int, param: str) -> None:
+        if len(ids) > config.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, above this server's limit of {config.max_prompt_tokens}; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if len(ids) + max_tokens > backend.max_context:
+            raise APIError(
+                400,
+                f"the prompt ({len(ids)} tokens) plus `max_tokens` ({max_tokens}) exceeds the model's context of "
+                f"{backend.max_context} tokens; shorten the prompt or ask for fewer tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def run_request(request: Request, *, chat: bool) -> Any:
+        started = time.perf_counter()
+        data = parse_json(await _read_body(request, config.max_body_bytes))
+        if chat:
+            req = parse_request(ChatRequest, data)
+            prompts: list[Any] = [chat_messages(req)]
+        else:
+            req = parse_request(CompletionRequest, data)
+            prompts = completion_prompts(req)
+        check_model(req.model)
+        params = generation_params(
+            req,
+            default_max_tokens=config.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            max_tokens_limit=config.max_tokens_limit,
+        )
+        rows = len(prompts) * params.n
+        if rows > config.max_choices:
+            raise APIError(
+                400,
+                f"this request asks for {rows} completions (prompts × n), above this server's limit of {config.max_choices}",
+                param="n",
+            )
+        param = "messages" if chat else "prompt"
+        encoded = [encode(p, chat=chat) for p in prompts]
+        for ids in encoded:
+            check_length(ids, params.max_tokens, param)
+        gravity = await resolve_gravity(req.gravity)
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        job = Job()
+        for ids in encoded:
+            for _ in range(params.n):
+                job.add(
+                    prompt_ids=ids,
+                    max_tokens=params.max_tokens,
+                    sampling=Sampling(params.temperature, params.top_p, params.top_k, (seed + len(job.rows)) % 2**63),
+                    gravity=gravity,
+                )
+        scheduler.submit(job.rows)
+        reader = _Reader(job, backend, params, started)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        ctx = _Context(
+            chat=chat,
+            id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=backend.model_id,
+            gravity=gravity,
+            prompt_tokens=prompt_tokens,
+        )
+        label = gravity.label if gravity is not None else "none"
+        endpoint = "chat" if chat else "completions"
+
+        def done() -> None:
+            metrics.request_done(
+                endpoint,
+                label,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=reader.completion_tokens,
+                seconds=time.perf_counter() - started,
+                ttft=reader.ttft,
+            )
+
+        if params.stream:
+            return StreamingResponse(
+                _stream(ctx, reader, params, done, metrics),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            async for _ in reader.events(wait_for_stats=True):
+                pass
+        except BaseException as exc:
+            job.cancel()
+            if isinstance(exc, Exception):
+                raise _error_event(exc) from None
+            raise
+        done()
+        return ctx.response(reader)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await run_request(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await run_request(request, chat=False)
+
+    # --------------------------------------------------------------------------------------- profiles
+
+    async def store_call(fn: Any, name: str | None = None, version: int | None = None) -> Any:
+        def work() -> Any:
+            if name is not None:
+                try:
+                    head = store.head_version(name)
+                except StoreError as exc:
+                    raise APIError(400, public_message(exc, store), param="name", code="invalid_name") from None
+                if head == 0:
+                    try:
+                        store.get(name)
+                    except StoreError as exc:
+                        raise APIError(
+                            404, public_message(exc, store), param="name", code="profile_not_found"
+                        ) from None
+                if version is not None and not 1 <= version <= head:
+                    raise APIError(
+                        404,
+                        f"profile {name!r} has no version {version}; its newest is {head}",
+                        code="version_not_found",
+                    )
+            try:
+                return fn()
+            except NarrativeGravityError as exc:  # invalid profile, bad message, unwritable store
+                raise APIError(400, public_message(exc, store), code="invalid_profile") from None
+
+        return await asyncio.to_thread(work)
+
+    def int_query(request: Request, key: str, *, required: bool) -> int | None:
+        raw = request.query_params.get(key)
+        if raw is None:
+            if required:
+                raise APIError(400, f"missing query parameter `{key}`", param=key)
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise APIError(400, f"query parameter `{key}` must be a whole number, but is {raw!r}", param=key) from None
+        if value < 1:
+            raise APIError(400, f"query parameter `{key}` must be >= 1, but is {value}", param=key)
+        return value
+
+    def snapshot_json(name: str, snap: Any) -> dict[str, Any]:
+        return {
+            "name": name,
+            "version": snap.version,
+            "created": snap.created,
+            "message": snap.message,
+            "profile": snap.profile.model_dump(mode="json"),
+        }
+
+    @app.get("/v1/profiles")
+    async def list_profiles() -> dict[str, Any]:
+        infos = await store_call(store.list)
+        return {"object": "list", "data": [vars(i) for i in infos]}
+
+    @app.get("/v1/profiles/{name}")
+    async def get_profile(name: str, request: Request) -> dict[str, Any]:
+        version = int_query(request, "version", required=False)
+        snap = await store_call(lambda: store.snapshot(name, version), name, version)
+        return snapshot_json(name, snap)
+
+    @app.api_route("/v1/profiles/{name}", methods=["PUT", "POST"])
+    async def set_profile(name: str, request: Request) -> dict[str, Any]:
+        data = parse_json(await _read_body(request, config.max_body_bytes))
+        if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
+            raise APIError(
+                400,
+                'send {"profile": {...profile keys...}, "message": "why it changed"}; `profile` is required',
+                param="profile",
+            )
+        unknown = set(data) - {"profile", "message"}
+        if unknown:
+            raise APIError(
+                400, f"unknown keys {sorted(unknown)}; send only `profile` and `message`", param=sorted(unknown)[0]
+            )
+        message = data.get("message")
+        version = await store_call(lambda: store.set(name, data["profile"], message=message))
+        return {"name": name, "version": version}
+
+    @app.get("/v1/profiles/{name}/history")
+    async def profile_history(name: str) -> dict[str, Any]:
+        infos = await store_call(lambda: store.history(name), name)
+        return {"object": "list", "name": name, "data": [vars(i) for i in infos]}
+
+    @app.get("/v1/profiles/{name}/diff")
+    async def profile_diff(name: str, request: Request) -> dict[str, Any]:
+        a = int_query(request, "from", required=True)
+        b = int_query(request, "to", required=True)
+        await store_call(lambda: None, name, a)
+        diff, changes = await store_call(lambda: (store.diff(name, a, b), store.changes(name, a, b)), name, b)
+        return {"name": name, "from": a, "to": b, "diff": diff, "changes": [vars(c) for c in changes]}
+
+    @app.post("/v1/profiles/{name}/rollback")
+    async def profile_rollback(name: str, request: Request) -> dict[str, Any]:
+        data = parse_json(await _read_body(request, config.max_body_bytes))
+        to = data.get("to") if isinstance(data, dict) else None
+        if isinstance(to, bool) or not isinstance(to, int) or to < 1:
+            raise APIError(400, 'send {"to": N} with the version to restore (a whole number >= 1)', param="to")
+        version = await store_call(lambda: store.rollback(name, to), name, to)
+        return {"name": name, "version": version, "restored": to}
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------- responses
+
+
+class _Context:
+    """What every chunk or response of one request repeats."""
+
+    def __init__(
+        self, *, chat: bool, id: str, created: int, model: str, gravity: ResolvedGravity | None, prompt_tokens: int
+    ) -> None:
+        self.chat = chat
+        self.id = id
+        self.created = created
+        self.model = model
+        self.gravity = gravity
+        self.prompt_tokens = prompt_tokens
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def gravity_json(self, reader: _Reader | None = None) -> dict[str, Any] | None:
+        if self.gravity is None:
+            return None
+        out = self.gravity.describe()
+        if reader is not None:
+            out.update(reader.gravity_stats())
+        return out
+
+    def response(self, reader: _Reader) -> dict[str, Any]:
+        choices = []
+        for i, text in enumerate(reader.texts):
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text.text}}
+            else:
+                choice = {"index": i, "text": text.text}
+            choice.update({"logprobs": None, "finish_reason": text.finish_reason})
+            choices.append(choice)
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(reader.completion_tokens),
+        }
+        gravity = self.gravity_json(reader)
+        if gravity is not None:
+            body["gravity"] = gravity
+        return body
+
+    def chunk(self, index: int, text: str | None, finish: str | None, *, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text or ""}
+        choice.update({"logprobs": None, "finish_reason": finish})
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if first and self.gravity is not None:
+            out["gravity"] = self.gravity_json()
+        return out
+
+
+async def _stream(
+    ctx: _Context, reader: _Reader, params: GenerationParams, done: Any, metrics: Metrics
+) -> AsyncIterator[str]:
+    try:
+        if ctx.chat:
+            for i in range(len(reader.texts)):
+                yield f"data: {_dumps(ctx.chunk(i, None, None, first=True))}\n\n"
+        first = not ctx.chat
+        async for index, text, finish in reader.events(wait_for_stats=False):
+            yield f"data: {_dumps(ctx.chunk(index, text, finish, first=first))}\n\n"
+            first = False
+        if params.include_usage:
+            usage = {
+                "id": ctx.id,
+                "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+                "created": ctx.created,
+                "model": ctx.model,
+                "choices": [],
+                "usage": ctx.usage(reader.completion_tokens),
+            }
+            yield f"data: {_dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+        done()
+    except Exception as exc:
+        err = _error_event(exc)
+        metrics.error(err.status, err.code)
+        yield f"data: {_dumps(err.body())}\n\n"
+    finally:
+        reader.job.cancel()
+
+
+# ----------------------------------------------------------------------------------------------- serve
+
+
+def serve(
+    config: ServerConfig,
+    *,
+    model: str | None = None,
+    engine: str = "hf",
+    device: str = "cpu",
+    store: str | os.PathLike[str] | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model, build the app and run uvicorn until interrupted (what ``ngrav serve`` does)."""
+    _require_server_extra()
+    try:
+        import uvicorn
+    except ModuleNotFoundError:
+        raise ConfigurationError(
+            "the server needs uvicorn; install it with:\n    pip install 'narrative-gravity[server]'"
+        ) from None
+
+    from .backend import make_backend
+
+    profile_store = ProfileStore(store)
+    backend = make_backend(engine, model, device=device)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(backend, config=config, store=profile_store)
+    if not config.is_loopback and config.api_key is None:
+        log.warning(
+            "listening on %s without an API key: anyone who can reach it can generate and change profiles; "
+            "set --api-key or NGRAV_API_KEY",
+            config.host,
+        )
+    log.info("profile store: %s", profile_store.root)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_keep_alive=5,
+        limit_concurrency=max(256, 4 * config.max_queue),
+        server_header=False,
+        timeout_graceful_shutdown=30,
+    )

@@ -1,0 +1,151 @@
+"""The engine interface of the server: what a backend must do so that the scheduler can batch on it.
+
+A backend turns text into token ids and back, prepares a profile's field ahead of time, and runs a *batch* of
+rows in one blocking call, reporting every decoding step's new token ids through a callback. The embedded
+transformers backend is :class:`~narrative_gravity.server.hf.HFBackend`; a vLLM backend plugs in by
+implementing :class:`Backend` and adding a branch to :func:`make_backend`.
+
+>>> Sampling(temperature=0.0).greedy
+True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..profile import Profile
+
+__all__ = ["ENGINES", "Backend", "GenerationRow", "ResolvedGravity", "RowStats", "Sampling", "make_backend"]
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one row picks its tokens. ``temperature`` below ``1e-5`` is greedy; ``top_k == 0`` is off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5  # dividing logits by less would overflow
+
+
+@dataclass(frozen=True)
+class ResolvedGravity:
+    """A request's gravity after resolution: the profile, where it came from, and a key that groups equal ones.
+
+    ``label`` names it in metrics: the store name for named profiles, ``"inline"`` for inline mappings.
+    """
+
+    profile: Profile
+    label: str
+    key: str
+    name: str | None = None
+    version: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"profile": self.label}
+        if self.version is not None:
+            out["version"] = self.version
+        return out
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What a backend reports for a finished row: tokens generated and, with gravity, the trace means."""
+
+    new_tokens: int
+    narrative_mass: float | None = None
+    narrative_mass_before: float | None = None
+    kl: float | None = None
+    strength: float | None = None
+
+    def gravity_json(self) -> dict[str, float]:
+        if self.narrative_mass is None:
+            return {}
+        return {
+            "narrative_mass": round(self.narrative_mass, 5),
+            "narrative_mass_before": round(self.narrative_mass_before or 0.0, 5),
+            "kl": round(self.kl or 0.0, 5),
+            "strength": round(self.strength or 0.0, 5),
+        }
+
+
+class GenerationRow(Protocol):
+    """One sequence of a batch, as a backend sees it. ``cancelled`` may turn true while the batch runs."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    gravity: ResolvedGravity | None
+    cancelled: bool
+
+
+TokenCallback = Callable[[list[int]], None]
+"""Called from the generating thread once per decoding step with one new token id per row, in row order."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the server needs from an engine."""
+
+    name: str
+    model_id: str
+    max_context: int
+    eos_ids: frozenset[int]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a plain prompt (with the tokenizer's special tokens, as for ``--raw``)."""
+        ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the chat template, ending with the assistant's turn."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        ...
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` naming ids outside the vocabulary."""
+        ...
+
+    def prepare(self, profile: Profile) -> None:
+        """Build (and cache) whatever the profile needs before its first batch; may block, raises on bad profiles."""
+        ...
+
+    def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
+        """Run all rows in one batch (blocking; called in a worker thread) and return one :class:`RowStats` each.
+
+        A row stops at end-of-sequence, after ``max_tokens`` tokens, or soon after ``cancelled`` turns true.
+        """
+        ...
+
+
+def make_backend(engine: str, model: str | None = None, *, device: str = "cpu") -> Backend:
+    """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (not wired in yet)."""
+    if engine == "hf":
+        from .hf import HFBackend
+
+        return HFBackend.load(model, device=device)
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigurationError(
+                "engine 'vllm' is not available yet: install narrative-gravity[vllm] "
+                "(pip install 'narrative-gravity[vllm]', Linux with a CUDA GPU), or use --engine hf"
+            )
+        raise ConfigurationError(
+            "engine 'vllm' is not available yet: vLLM is installed, but the server's vLLM backend is not written; "
+            "use --engine hf for now"
+        )
+    raise ConfigurationError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")

@@ -1,0 +1,133 @@
+"""Turn a request's ``gravity`` object into a profile, with named profiles hot-reloaded from the store.
+
+``gravity`` is either an inline profile mapping (``{"core_semantics": [...], ...}``) or a reference to the
+store, ``{"profile": "space"}`` or ``{"profile": "space", "version": 2}``. Without a version every request
+reads the profile's head with :meth:`~narrative_gravity.store.ProfileStore.head_version` (one folder listing),
+so a new version set with ``ngrav profile set`` or ``PUT /v1/profiles/NAME`` is used by the next request,
+with no restart. Snapshots are read once per version and kept in a small LRU cache.
+
+>>> import tempfile
+>>> from narrative_gravity.store import ProfileStore
+>>> tmp = tempfile.TemporaryDirectory()
+>>> store = ProfileStore(tmp.name)
+>>> store.set("space", {"core_semantics": ["orbit"]})
+1
+>>> resolver = GravityResolver(store)
+>>> resolver.resolve({"profile": "space"}).describe()
+{'profile': 'space', 'version': 1}
+>>> store.set("space", {"core_semantics": ["orbit"], "gravity_strength": 3.0})
+2
+>>> resolver.resolve({"profile": "space"}).profile.gravity_strength
+3.0
+>>> resolver.resolve({"profile": "spcae"})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+narrative_gravity.server.protocol.APIError: no profile named 'spcae'; did you mean 'space'? ...
+>>> tmp.cleanup()
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import ProfileError, StoreError
+from ..profile import Profile
+from ..store import ProfileStore
+from .backend import ResolvedGravity
+from .protocol import APIError
+
+__all__ = ["GravityResolver", "public_message"]
+
+_REFERENCE_KEYS = {"profile", "version"}
+
+
+def public_message(exc: Exception, store: ProfileStore) -> str:
+    """The error's message with the store's folder on the server replaced by ``<store>``."""
+    return str(exc).replace(str(store.root), "<store>")
+
+
+class GravityResolver:
+    """Resolve ``gravity`` objects against ``store``; thread-safe (called from worker threads)."""
+
+    def __init__(self, store: ProfileStore, *, cache_size: int = 256) -> None:
+        self.store = store
+        self._cache: OrderedDict[tuple[str, int], Profile] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def resolve(self, spec: Any) -> ResolvedGravity | None:
+        """``None`` for no gravity; raises :class:`~narrative_gravity.server.protocol.APIError` for bad specs."""
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise APIError(
+                400,
+                f"`gravity` must be an object, but is {type(spec).__name__}: an inline profile such as "
+                '{"core_semantics": ["orbit", "planet"]}, or {"profile": "NAME"} from the store',
+                param="gravity",
+            )
+        if "profile" in spec:
+            return self._named(spec)
+        try:
+            profile = Profile.from_mapping(spec, source="gravity")
+        except ProfileError as exc:
+            raise APIError(400, str(exc), param="gravity", code="invalid_profile") from None
+        key = json.dumps(profile.model_dump(mode="json"), sort_keys=True)
+        return ResolvedGravity(profile=profile, label="inline", key=key)
+
+    def _named(self, spec: dict[str, Any]) -> ResolvedGravity:
+        extra = set(spec) - _REFERENCE_KEYS
+        if extra:
+            raise APIError(
+                400,
+                f"`gravity` names a stored profile, so it takes only `profile` and `version`, but also has "
+                f"{sorted(extra)}; put inline settings in a profile of their own",
+                param="gravity",
+            )
+        name, version = spec["profile"], spec.get("version")
+        if not isinstance(name, str):
+            raise APIError(400, "`gravity.profile` must be a profile name (text)", param="gravity.profile")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+            raise APIError(
+                400, f"`gravity.version` must be a whole number >= 1, but is {version!r}", param="gravity.version"
+            )
+        try:
+            head = self.store.head_version(name)  # one folder listing: the hot-reload check
+        except StoreError as exc:
+            raise APIError(400, public_message(exc, self.store), param="gravity.profile", code="invalid_name") from None
+        if head == 0:
+            try:
+                self.store.get(name)
+            except StoreError as exc:  # the store's message lists the names and guesses the intended one
+                raise APIError(
+                    404, public_message(exc, self.store), param="gravity.profile", code="profile_not_found"
+                ) from None
+            head = self.store.head_version(name)  # it was stored a moment ago
+        if version is None:
+            version = head
+        elif version > head:  # versions are contiguous, 1..head
+            raise APIError(
+                404,
+                f"profile {name!r} has no version {version}; its newest is {head}",
+                param="gravity.version",
+                code="version_not_found",
+            )
+        profile = self._load(name, version)  # a damaged snapshot raises StoreError: a server-side 500
+        key = json.dumps(profile.model_dump(mode="json"), sort_keys=True)
+        return ResolvedGravity(profile=profile, label=name, key=key, name=name, version=version)
+
+    def _load(self, name: str, version: int) -> Profile:
+        with self._lock:
+            cached = self._cache.get((name, version))
+            if cached is not None:
+                self._cache.move_to_end((name, version))
+                return cached
+        profile = self.store.get(name, version)
+        with self._lock:
+            self._cache[(name, version)] = profile
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return profile

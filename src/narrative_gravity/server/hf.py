@@ -1,0 +1,283 @@
+"""The embedded transformers backend: one ``model.generate`` call per batch of rows.
+
+A batch may mix profiles, token budgets and sampling settings, and still runs as one left-padded call:
+
+- :class:`GroupedGravityLogitsProcessor` groups the rows by (profile, budget) and hands each group's rows to
+  that profile's own :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` (so controllers,
+  continuations, pruning and traces work exactly as in ``ngrav generate``, and the math stays in
+  :func:`~narrative_gravity.core.apply_gravity`). One loop iteration per *group*, not per row.
+- :class:`RowSamplerLogitsProcessor` samples each row with its own temperature, top-k, top-p and seeded
+  generator, and leaves a single finite logit, so ``generate`` runs greedily and picks exactly that token. A
+  request's sample therefore does not depend on which other requests share its batch.
+- :class:`RowStoppingCriteria` stops each row at its own budget, or once the server cancels it (client gone,
+  stop string seen).
+- :class:`StepStreamer` hands every step's new token ids to the scheduler.
+
+>>> import torch
+>>> sampler = RowSamplerLogitsProcessor([Sampling(temperature=0.0), Sampling(temperature=1.0, seed=1)])
+>>> out = sampler(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[0.0, 3.0, 1.0], [0.0, 0.0, 0.0]]))
+>>> out[0].tolist(), int(torch.isfinite(out[1]).sum())
+([0.0, 3.0, 1.0], 1)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from ..errors import ConfigurationError, VocabularyError
+from ..generation import _eos_ids, _left_pad
+from ..profile import Profile
+from ..steer import field_from_profile, processor_from_profile
+from ..thermo import Trace
+from .backend import GenerationRow, RowStats, Sampling, TokenCallback
+
+__all__ = [
+    "GroupedGravityLogitsProcessor",
+    "HFBackend",
+    "RowSamplerLogitsProcessor",
+    "RowStoppingCriteria",
+    "StepStreamer",
+]
+
+log = logging.getLogger("narrative_gravity.server")
+
+
+class GroupedGravityLogitsProcessor(LogitsProcessor):
+    """Apply a different gravity processor to each group of rows of one batch.
+
+    Args:
+        groups: ``(rows, processor)`` pairs; ``rows`` is a ``LongTensor`` of batch row indices. Rows in no group
+            are returned unchanged.
+    """
+
+    def __init__(self, groups: Sequence[tuple[torch.Tensor, Any]]) -> None:
+        self.groups = list(groups)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.groups:
+            return scores
+        if len(self.groups) == 1 and self.groups[0][0].numel() == scores.shape[0]:
+            return self.groups[0][1](input_ids, scores)  # the whole batch shares one profile
+        out = scores.clone()
+        for rows, processor in self.groups:
+            if rows.device != scores.device:
+                rows = rows.to(scores.device)
+            out[rows] = processor(input_ids[rows], scores[rows])
+        return out
+
+
+class RowSamplerLogitsProcessor(LogitsProcessor):
+    """Sample each row with its own settings; greedy rows pass through untouched.
+
+    A sampled row comes back as ``-inf`` everywhere but its chosen token (``0``), so ``generate`` must run
+    with ``do_sample=False``. Top-k, top-p and temperature are applied in that order, as transformers does.
+    """
+
+    def __init__(self, samplings: Sequence[Sampling], device: torch.device | str = "cpu") -> None:
+        self.rows = [i for i, s in enumerate(samplings) if not s.greedy]
+        picked = [samplings[i] for i in self.rows]
+        self.temperature = torch.tensor([s.temperature for s in picked], dtype=torch.float32, device=device)
+        self.top_p = torch.tensor([s.top_p for s in picked], dtype=torch.float32, device=device)
+        self.top_k = [s.top_k for s in picked]
+        self.generators = [torch.Generator(device=device).manual_seed(s.seed) for s in picked]
+        self.index = torch.tensor(self.rows, dtype=torch.long, device=device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.rows:
+            return scores
+        s = scores[self.index].float() / self.temperature[:, None]
+        vocab = s.shape[-1]
+        if any(self.top_k):
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in self.top_k], device=s.device)
+            top = torch.topk(s, int(k.max()), dim=-1).values
+            kth = top.gather(1, (k - 1)[:, None])
+            s = s.masked_fill(s < kth, float("-inf"))
+        if bool((self.top_p < 1.0).any()):
+            sorted_s, order = torch.sort(s, descending=True, dim=-1)
+            probs = sorted_s.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the better tokens; the first is always kept
+            drop_sorted = before > self.top_p[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            s = s.masked_fill(drop, float("-inf"))
+        probs = s.softmax(dim=-1)
+        picks = torch.stack(
+            [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(self.generators)]
+        ).reshape(-1)
+        out = scores.clone()
+        out[self.index] = float("-inf")
+        out[self.index, picks] = 0.0
+        return out
+
+
+class RowStoppingCriteria(StoppingCriteria):
+    """Stop each row after its own number of new tokens, or once ``row.cancelled`` turns true."""
+
+    def __init__(self, rows: Sequence[GenerationRow], prompt_width: int, device: torch.device | str = "cpu") -> None:
+        self.rows = list(rows)
+        self.prompt_width = prompt_width
+        self.budget = torch.tensor([r.max_tokens for r in rows], dtype=torch.long, device=device)
+        self.stopped_at = [0] * len(rows)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        step = input_ids.shape[-1] - self.prompt_width
+        cancelled = [r.cancelled for r in self.rows]
+        for i, c in enumerate(cancelled):
+            if c and not self.stopped_at[i]:
+                self.stopped_at[i] = step
+        done = self.budget <= step
+        if any(cancelled):
+            done = done | torch.tensor(cancelled, dtype=torch.bool, device=done.device)
+        return done
+
+
+class StepStreamer(BaseStreamer):
+    """A ``generate`` streamer that passes each step's new token ids (one per row) to ``on_tokens``."""
+
+    def __init__(self, on_tokens: TokenCallback) -> None:
+        self.on_tokens = on_tokens
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate first puts the prompt ids
+            self._prompt_seen = True
+            return
+        self.on_tokens(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+class HFBackend:
+    """The embedded transformers engine on one model (see the module doc for how a batch is run)."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context: int | None = None) -> None:
+        if not model_id:
+            raise ConfigurationError("`model_id` is empty; give the name clients send as `model`")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise ConfigurationError("the tokenizer has neither a pad nor an end-of-sequence token; set one")
+        self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = int(max_context or positions or 2048)
+        self.vocab_size = int(getattr(model.config, "vocab_size", None) or len(tokenizer))
+        self._prepare_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, name: str | os.PathLike[str] | None = None, *, device: str = "cpu") -> HFBackend:
+        """Load a model the way the other commands do (``--model``: a name, a HF folder or a ``.gguf`` file)."""
+        from ..models import DEFAULT_MODEL, load_model
+
+        model, tokenizer = load_model(name, device=device)
+        return cls(model, tokenizer, model_id=str(name) if name is not None else DEFAULT_MODEL)
+
+    # ------------------------------------------------------------------------------------------- text
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigurationError(
+                f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
+            )
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if bad:
+            raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------------------------------- gravity
+
+    def prepare(self, profile: Profile) -> None:
+        # One build at a time: requests that bring the same new profile together wait for one build, not N.
+        with self._prepare_lock:
+            field_from_profile(profile, self.tokenizer, model=self.model)
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
+        if not rows:
+            return []
+        ids, mask = _left_pad([r.prompt_ids for r in rows], self.pad_id)
+        width = ids.shape[1]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.gravity is not None:
+                groups.setdefault((row.gravity.key, row.max_tokens), []).append(i)
+        traced: list[tuple[list[int], Trace]] = []
+        pairs = []
+        for (_, budget), members in groups.items():
+            trace = Trace()
+            processor = processor_from_profile(
+                rows[members[0]].gravity.profile,
+                self.tokenizer,
+                max_new_tokens=budget,
+                trace=trace,
+                model=self.model,
+            )
+            pairs.append((torch.tensor(members, dtype=torch.long, device=self.device), processor))
+            traced.append((members, trace))
+        processors = LogitsProcessorList()
+        if pairs:
+            processors.append(GroupedGravityLogitsProcessor(pairs))
+        if any(not r.sampling.greedy for r in rows):
+            processors.append(RowSamplerLogitsProcessor([r.sampling for r in rows], device=self.device))
+        stops = RowStoppingCriteria(rows, width, device=self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([stops]),
+                streamer=StepStreamer(on_tokens),
+                max_new_tokens=max(r.max_tokens for r in rows),
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                pad_token_id=self.pad_id,
+            )
+        gen = out[:, width:].cpu().tolist()
+        lengths = [self._length(row, r.max_tokens, s) for row, r, s in zip(gen, rows, stops.stopped_at)]
+        log.debug("batch of %d rows: %d steps in %.3f s", len(rows), len(gen[0]), time.perf_counter() - t0)
+        stats = [RowStats(new_tokens=n) for n in lengths]
+        for members, trace in traced:
+            if not len(trace):
+                continue
+            for i, means in zip(members, trace.means([lengths[i] for i in members])):
+                stats[i] = RowStats(
+                    new_tokens=lengths[i],
+                    narrative_mass=means["mass_after"],
+                    narrative_mass_before=means["mass"],
+                    kl=means["kl"],
+                    strength=means["strength"],
+                )
+        return stats
+
+    def _length(self, row: list[int], budget: int, stopped_at: int) -> int:
+        n = min(len(row), budget, stopped_at or len(row))
+        for i, tok in enumerate(row[:n]):
+            if tok in self.eos_ids:
+                return i + 1
+        return n

@@ -1,0 +1,208 @@
+"""Batch concurrent requests into one ``generate`` call at a time.
+
+Each request becomes one or more rows (prompts × ``n``) in a FIFO queue. A single scheduler task takes the
+oldest row, waits up to ``window`` seconds (from that row's arrival) for more, then takes up to
+``max_batch_size`` rows and runs them as one batch in a dedicated worker thread (``Backend.generate``), so the
+event loop keeps accepting requests and streaming tokens meanwhile. Rows that arrive while a batch runs wait for
+the next one; a full queue answers ``429``.
+
+Tokens travel back through the backend's per-step callback: the worker thread calls
+``loop.call_soon_threadsafe`` once per step, which puts ``(index, "token", id)`` on each request's
+:class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``, or
+``(index, "error", exc)`` when the batch failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import Backend, ResolvedGravity, RowStats, Sampling
+from .metrics import Metrics
+from .protocol import APIError
+
+__all__ = ["BatchScheduler", "Job", "Row"]
+
+log = logging.getLogger("narrative_gravity.server")
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence to generate: a choice of a request (see :class:`~narrative_gravity.server.backend.GenerationRow`)."""
+
+    job: Job
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    gravity: ResolvedGravity | None
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Job:
+    """The rows of one request and the queue their events arrive on (event-loop side only)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.events: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+    def add(self, **kwargs: Any) -> Row:
+        row = Row(job=self, index=len(self.rows), **kwargs)
+        self.rows.append(row)
+        return row
+
+    def deliver(self, index: int, kind: str, payload: Any) -> None:
+        self.events.put_nowait((index, kind, payload))
+
+    def cancel(self) -> None:
+        """Stop generating for this request (client gone, or every choice finished)."""
+        for row in self.rows:
+            row.cancelled = True
+
+
+class BatchScheduler:
+    """Collects rows into batches and runs them one after another on ``backend`` (see the module doc)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_batch_size: int = 8,
+        window_s: float = 0.02,
+        max_queue: int = 64,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.window_s = window_s
+        self.max_queue = max_queue
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._pending: deque[Row] = deque()
+        self._running: list[Row] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngrav-generate")
+        self._task = asyncio.create_task(self._run(), name="ngrav-scheduler")
+
+    async def stop(self) -> None:
+        """Refuse new rows, fail the queued ones with ``503``, cancel the running batch and wait for it."""
+        self._closed = True
+        gone = APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+        while self._pending:
+            row = self._pending.popleft()
+            row.job.deliver(row.index, "error", gone)
+        for row in self._running:  # their batch stops at its next step; their readers must not wait for it
+            row.cancelled = True
+            row.job.deliver(row.index, "error", gone)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        """Queue a request's rows, all or none; ``429`` when they do not fit."""
+        if self._closed or self._wake is None:
+            raise APIError(503, "the server is not accepting requests (starting or shutting down)", code="unavailable")
+        if len(self._pending) + len(rows) > self.max_queue:
+            raise APIError(
+                429,
+                f"the server is busy: {len(self._pending)} rows are queued (limit {self.max_queue}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self._pending.extend(rows)
+        self._wake.set()
+
+    # ----------------------------------------------------------------------------------------------- loop
+
+    async def _run(self) -> None:
+        while True:
+            rows = await self._next_batch()
+            await self._run_batch(rows)
+
+    def _drop_cancelled(self) -> None:
+        if any(r.cancelled for r in self._pending):
+            self._pending = deque(r for r in self._pending if not r.cancelled)
+
+    async def _wait(self, timeout: float | None) -> bool:
+        assert self._wake is not None  # set by start()
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def _next_batch(self) -> list[Row]:
+        assert self._loop is not None
+        while True:
+            self._drop_cancelled()
+            if not self._pending:
+                await self._wait(None)
+                continue
+            deadline = self._pending[0].arrived + self.window_s
+            while len(self._pending) < self.max_batch_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await self._wait(remaining):
+                    break
+                self._drop_cancelled()
+            self._drop_cancelled()
+            n = min(self.max_batch_size, len(self._pending))
+            rows = [self._pending.popleft() for _ in range(n)]
+            if rows:
+                return rows
+
+    async def _run_batch(self, rows: list[Row]) -> None:
+        loop = self._loop
+        assert loop is not None and self._executor is not None
+
+        def on_tokens(tokens: list[int]) -> None:  # runs in the worker thread
+            loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens)
+
+        self._running = rows
+        t0 = time.perf_counter()
+        try:
+            stats: list[RowStats] = await loop.run_in_executor(self._executor, self.backend.generate, rows, on_tokens)
+        except Exception as exc:
+            log.exception("a batch of %d rows failed", len(rows))
+            for row in rows:
+                row.job.deliver(row.index, "error", exc)
+            return
+        finally:
+            self._running = []
+            self.metrics.batch(len(rows), time.perf_counter() - t0)
+        for row, s in zip(rows, stats):
+            if row.gravity is not None and s.narrative_mass is not None:
+                self.metrics.gravity_row(row.gravity.label, s.narrative_mass, s.kl or 0.0)
+            row.job.deliver(row.index, "end", s)
+
+    @staticmethod
+    def _deliver_tokens(rows: list[Row], tokens: list[int]) -> None:
+        for row, token in zip(rows, tokens):
+            if not row.cancelled:
+                row.job.deliver(row.index, "token", token)

@@ -1,0 +1,272 @@
+"""Plan-level pruning: outline parsing and scoring, stages, and the staged logits processor (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import narrative_gravity.plan as plan_mod
+from narrative_gravity.context import hashing_encoder
+from narrative_gravity.errors import ConfigurationError
+from narrative_gravity.fields import NarrativeField
+from narrative_gravity.fields.lexical import surface_forms
+from narrative_gravity.plan import (
+    Outline,
+    StagedLogitsProcessor,
+    parse_outline,
+    parse_stages,
+    plan_then_write,
+    score_outlines,
+    select_outlines,
+    stages_from_outline,
+)
+
+ENC = hashing_encoder(256)
+
+
+# --------------------------------------------------------------------------------------------------
+# outlines
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1. Lenses\n2) Mirrors\n3. Space", ["Lenses", "Mirrors", "Space"]),
+        ("Plan:\n- Lenses\n* Mirrors\n• Space", ["Lenses", "Mirrors", "Space"]),
+        ("Lenses\n\nMirrors", ["Lenses", "Mirrors"]),
+        ("1. **Lenses**:\n2. Mirrors\n3. Space\n4. Extra", ["Lenses", "Mirrors", "Space"]),
+    ],
+)
+def test_parse_outline(text, expected):
+    assert parse_outline(text, 3) == expected
+
+
+def test_on_topic_outline_scores_higher_than_an_off_topic_one():
+    prompt = "Write about the planet orbit and the telescope."
+    good = "1. planet orbit around the sun\n2. telescope lens and mirror\n3. planet seen through the telescope"
+    bad = "1. bake a cake\n2. whisk the eggs\n3. serve with cream"
+    a, b = score_outlines(prompt, [good, bad], encoder=ENC)
+    assert a.fit > b.fit
+    assert a.score > b.score
+    assert a.completeness == b.completeness == 1.0
+
+
+def test_duplicate_sections_are_penalized():
+    prompt = "planet orbit telescope"
+    dup = "1. planet orbit\n2. planet orbit\n3. planet orbit"
+    varied = "1. planet orbit\n2. telescope orbit\n3. planet telescope"
+    d, v = score_outlines(prompt, [dup, varied], encoder=ENC)
+    assert d.duplicates == 1.0 and v.duplicates == 0.0
+    assert v.score > d.score
+
+
+def test_incomplete_outline_loses_score_and_drafts_report_distinctness():
+    prompt = "planet orbit"
+    full = "1. planet orbit\n2. orbit speed\n3. planet size"
+    short = "1. planet orbit"
+    f, s = score_outlines(prompt, [full, short], encoder=ENC)
+    assert s.completeness == pytest.approx(1 / 3)
+    assert f.score > s.score
+    assert 0.0 <= f.distinct <= 2.0
+
+
+def test_select_outlines_keeps_the_best_then_a_different_one():
+    mk = lambda secs, score: Outline("\n".join(secs), secs, 0, 0, 0, 1, 0, score)  # noqa: E731
+    a = mk(["planet orbit"], 0.9)
+    a2 = mk(["planet orbit"], 0.85)
+    b = mk(["telescope mirror"], 0.8)
+    assert select_outlines([b, a, a2], 1) == [a]
+    assert select_outlines([b, a, a2], 2, encoder=ENC) == [a, b]
+    with pytest.raises(ConfigurationError):
+        select_outlines([a], 0)
+
+
+def test_stages_from_outline_drop_boilerplate_and_add_extra_words():
+    stages = stages_from_outline(
+        ["Introduction: the planet orbit", "Main telescope mirrors", "Conclusion"], extra_words=["space"]
+    )
+    assert [s.core_semantics for s in stages] == [
+        ["planet", "orbit", "space"],
+        ["telescope", "mirrors", "space"],
+        ["space"],
+    ]
+    assert sum(s.share for s in stages) == pytest.approx(1.0)
+    with pytest.raises(ConfigurationError, match="content word"):
+        stages_from_outline(["Introduction", "Conclusion"])
+
+
+# --------------------------------------------------------------------------------------------------
+# stages by hand
+
+
+def test_parse_stages_fills_missing_shares():
+    st = parse_stages([{"core_semantics": ["a"], "share": 0.5}, {"core_semantics": ["b"]}, {"core_semantics": ["c"]}])
+    assert [s.share for s in st] == [0.5, 0.25, 0.25]
+    assert [s.name for s in st] == ["stage 1", "stage 2", "stage 3"]
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([], "non-empty list"),
+        ([{"core_semantics": []}], "core_semantics"),
+        ([{"core_semantics": "planet"}], "core_semantics"),
+        ([{"core_semantics": ["a"], "share": 0}], "share"),
+        ([{"core_semantics": ["a"], "share": 0.7}, {"core_semantics": ["b"], "share": 0.6}], "more than 1"),
+        ([{"core_semantics": ["a"], "share": 1.0}, {"core_semantics": ["b"]}], "leave nothing"),
+        ([{"core_semantics": ["a"], "shares": 0.5}], "unknown keys"),
+    ],
+)
+def test_parse_stages_errors(stages, message):
+    with pytest.raises(ConfigurationError, match=message):
+        parse_stages(stages)
+
+
+# --------------------------------------------------------------------------------------------------
+# the staged processor
+
+
+def _tok_id(tok, word):
+    return next(f[0] for f in surface_forms(tok, word) if len(f) == 1)
+
+
+def _proc(tok, shares=(0.5, 0.5), max_new_tokens=8, **kw):
+    stages = [
+        {"name": "p", "core_semantics": ["planet"], "share": shares[0]},
+        {"name": "g", "core_semantics": ["galaxy"], "share": shares[1]},
+    ]
+    return StagedLogitsProcessor.from_stages(tok, stages, max_new_tokens=max_new_tokens, strength=2.0, **kw)
+
+
+def test_stage_advances_when_its_words_are_written(tiny_tokenizer):
+    tok = tiny_tokenizer
+    proc = _proc(tok, max_new_tokens=100)
+    planet, galaxy = _tok_id(tok, "planet"), _tok_id(tok, "galaxy")
+    v = len(tok)
+    prompt = torch.tensor([[5, 6, 7]])
+    out = proc(prompt, torch.zeros(1, v))
+    assert proc.stage.tolist() == [0]
+    assert out[0, planet] == 2.0 and out[0, galaxy] == 0.0
+    out = proc(torch.cat([prompt, torch.tensor([[planet]])], dim=1), torch.zeros(1, v))
+    assert proc.stage.tolist() == [1]
+    assert out[0, galaxy] == 2.0 and out[0, planet] == 0.0
+    # the last stage stays
+    out = proc(torch.tensor([[5, 6, 7, planet, galaxy]]), torch.zeros(1, v))
+    assert proc.stage.tolist() == [1]
+
+
+def test_stage_advances_when_its_share_is_spent(tiny_tokenizer):
+    tok = tiny_tokenizer
+    proc = _proc(tok, shares=(0.25, 0.75), max_new_tokens=8)  # stage 0 ends after 2 tokens
+    v = len(tok)
+    ids = torch.tensor([[5, 6, 7]])
+    stages = []
+    for _ in range(4):
+        proc(ids, torch.zeros(1, v))
+        stages.append(proc.stage.item())
+        ids = torch.cat([ids, torch.tensor([[9]])], dim=1)
+    assert stages == [0, 0, 1, 1]
+
+
+def test_rows_move_independently_and_scores_are_not_modified(tiny_tokenizer):
+    tok = tiny_tokenizer
+    proc = _proc(tok, max_new_tokens=100)
+    planet = _tok_id(tok, "planet")
+    v = len(tok)
+    prompt = torch.tensor([[5, 6], [5, 6]])
+    proc(prompt, torch.zeros(2, v))
+    scores = torch.randn(2, v)
+    before = scores.clone()
+    proc(torch.cat([prompt, torch.tensor([[planet], [9]])], dim=1), scores)
+    assert proc.stage.tolist() == [1, 0]
+    assert torch.equal(scores, before)
+
+
+def test_new_generation_resets_the_stages(tiny_tokenizer):
+    tok = tiny_tokenizer
+    proc = _proc(tok, max_new_tokens=100)
+    planet = _tok_id(tok, "planet")
+    v = len(tok)
+    proc(torch.tensor([[5]]), torch.zeros(1, v))
+    proc(torch.tensor([[5, planet]]), torch.zeros(1, v))
+    assert proc.stage.tolist() == [1]
+    proc(torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.zeros(1, v))  # not one longer: a new generation
+    assert proc.stage.tolist() == [0]
+
+
+def test_the_pull_goes_through_apply_gravity(tiny_tokenizer, monkeypatch):
+    calls = []
+    real = plan_mod.apply_gravity
+
+    def spy(logits, field, strength, mask=None):
+        calls.append(field.shape)
+        return real(logits, field, strength, mask)
+
+    monkeypatch.setattr(plan_mod, "apply_gravity", spy)
+    proc = _proc(tiny_tokenizer)
+    proc(torch.tensor([[5, 6], [7, 8]]), torch.zeros(2, len(tiny_tokenizer)))
+    assert calls == [torch.Size([2, len(tiny_tokenizer)])]
+
+
+def test_multi_token_words_continue_per_stage(tiny_tokenizer):
+    tok = tiny_tokenizer
+    proc = StagedLogitsProcessor.from_stages(
+        tok, [{"core_semantics": ["telescope"]}, {"core_semantics": ["galaxy"]}], max_new_tokens=100, strength=1.0
+    )
+    first, second = surface_forms(tok, "telescope")[0][:2]
+    v = len(tok)
+    proc(torch.tensor([[5]]), torch.zeros(1, v))
+    out = proc(torch.tensor([[5, first]]), torch.zeros(1, v))
+    assert out[0, second] == 1.0  # the continuation of stage 0's word
+
+
+def test_processor_validation(tiny_tokenizer):
+    f = NarrativeField(values=torch.zeros(4))
+    with pytest.raises(ConfigurationError, match="shares"):
+        StagedLogitsProcessor([f, f], [0.5], max_new_tokens=4)
+    with pytest.raises(ConfigurationError, match="fields"):
+        StagedLogitsProcessor([], [], max_new_tokens=4)
+    with pytest.raises(ConfigurationError, match="max_new_tokens"):
+        StagedLogitsProcessor([f], [1.0], max_new_tokens=0)
+    with pytest.raises(ConfigurationError, match="cover_fraction"):
+        StagedLogitsProcessor([f], [1.0], max_new_tokens=4, cover_fraction=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# end to end on the tiny random model
+
+
+def test_plan_then_write_on_a_tiny_model(tiny_model):
+    model, tok = tiny_model
+    res = plan_then_write(
+        model,
+        tok,
+        "the planet and its orbit",
+        n_drafts=3,
+        outline_tokens=12,
+        max_new_tokens=10,
+        encoder=ENC,
+        include_outline=False,
+        stages=None,
+    )
+    assert len(res.outlines) == 3
+    assert res.outline is not None and res.outline.score == max(o.score for o in res.outlines)
+    assert 0 < res.draft_tokens <= 3 * 12
+    assert 0 < res.write_tokens <= 10
+    assert res.generated_tokens == res.draft_tokens + res.write_tokens
+    assert res.stages and abs(sum(s.share for s in res.stages) - 1) < 1e-6
+
+
+def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):
+    model, tok = tiny_model
+    res = plan_then_write(
+        model,
+        tok,
+        "the planet",
+        stages=[{"core_semantics": ["planet"], "share": 0.5}, {"core_semantics": ["galaxy"]}],
+        max_new_tokens=6,
+        encoder=ENC,
+    )
+    assert res.draft_tokens == 0 and res.outlines == [] and res.outline is None
+    assert [s.core_semantics for s in res.stages] == [["planet"], ["galaxy"]]
+    assert len(res.final_stage) == 1
