@@ -12,7 +12,8 @@ whose common words are inflected away from the gold text). The defaults of ``pru
 (b) Generation, the first ``--gen-cases`` cases at ``--operating`` budget: SmolLM2-135M-Instruct, greedy, the
     same prompt template with the full context and with the pruned one, one prompt at a time, the two arms
     alternating (the order flips every case) after one warm-up each. Reported: median seconds per answer,
-    the ratio of medians, the median per-case ratio, the pruning time (MiniLM + BM25 + clustering), and answer
+    the ratio of medians, the median per-case ratio, the prefill alone (one timed forward pass over each
+    prompt, where the context length shows without the noise of answers of different lengths), the pruning time (MiniLM + BM25 + clustering), and answer
     quality: MiniLM cosine of the answer to the gold passages and whether the answer names the key entity,
     each with a paired bootstrap interval of (pruned - full).
 
@@ -104,7 +105,9 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
 
 
 def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, max_new_tokens: int) -> dict[str, Any]:
-    from narrative_gravity.generation import SamplingOptions, generate
+    import torch
+
+    from narrative_gravity.generation import SamplingOptions, encode_prompts, generate
 
     opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0)
     prompts, prune_s = [], []
@@ -120,11 +123,17 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
     for p in prompts[0]:  # warm-up, one per arm
         generate(model, tok, [p], options=opts, batch_size=1)
     out: dict[str, list[Any]] = {"full": [], "pruned": []}
+    prefill: dict[str, list[float]] = {"full": [], "pruned": []}
     for i, pair in enumerate(prompts):
         arms = [("full", pair[0]), ("pruned", pair[1])]
         for arm, prompt in arms if i % 2 == 0 else arms[::-1]:
+            ids = torch.tensor([encode_prompts(tok, [prompt], raw=False)[0]])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(input_ids=ids)
+            prefill[arm].append(time.perf_counter() - t0)
             r = generate(model, tok, [prompt], options=opts, batch_size=1)[0]
-            out[arm].append((r, len(tok(prompt)["input_ids"])))
+            out[arm].append((r, ids.shape[1]))
     answers = {arm: [r.text for r, _ in rows] for arm, rows in out.items()}
     gold = enc([c.gold_text for c in cases])
     quality: dict[str, Any] = {}
@@ -140,6 +149,8 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
     }
     secs = {arm: [r.seconds for r, _ in rows] for arm, rows in out.items()}
     med = {arm: statistics.median(v) for arm, v in secs.items()}
+    per_token = {arm: statistics.median(r.seconds / max(1, r.new_tokens) for r, _ in rows) for arm, rows in out.items()}
+    med_prefill = {arm: statistics.median(v) for arm, v in prefill.items()}
     med_prune = statistics.median(prune_s)
     return {
         "budget": frac,
@@ -147,6 +158,10 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
         "prompt_tokens": {arm: statistics.median([n for _, n in rows]) for arm, rows in out.items()},
         "new_tokens": {arm: statistics.median([r.new_tokens for r, _ in rows]) for arm, rows in out.items()},
         "median_seconds": med,
+        "median_seconds_per_new_token": per_token,
+        "median_prefill_seconds": med_prefill,
+        "prefill_ratio_of_medians": med_prefill["pruned"] / med_prefill["full"],
+        "prefill_median_paired_ratio": statistics.median(p / f for p, f in zip(prefill["pruned"], prefill["full"])),
         "ratio_of_medians": med["pruned"] / med["full"],
         "median_paired_ratio": statistics.median(p / f for p, f in zip(secs["pruned"], secs["full"])),
         "median_prune_seconds": med_prune,
@@ -168,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--operating", type=float, default=0.6, help="budget fraction used for generation")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-retrieval", action="store_true", help="skip (a), run only the generation part")
     args = ap.parse_args(argv)
 
     import torch
@@ -189,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(cases)} cases (seed {args.seed}) built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     model, tok = load_model()
     budgets = [float(b) for b in args.budgets.split(",")]
-    ret = retrieval(cases, tok, enc, budgets)
+    ret = [] if args.no_retrieval else retrieval(cases, tok, enc, budgets)
     print("| budget | method | gold recall [95% CI] | all gold kept | tokens removed |")
     print("|---|---|---|---|---|")
     for r in ret:
@@ -210,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"| seconds per answer (median) | {gen['median_seconds']['full']:.3f} | {gen['median_seconds']['pruned']:.3f} |"
     )
+    pt, pf = gen["median_seconds_per_new_token"], gen["median_prefill_seconds"]
+    print(f"| seconds per new token (median) | {pt['full']:.3f} | {pt['pruned']:.3f} |")
+    print(f"| prefill seconds (median, one forward pass) | {pf['full']:.3f} | {pf['pruned']:.3f} |")
     q = gen["quality"]
     for key in ("similarity", "entity"):
         f, p = q["full"][key], q["pruned"][key]
@@ -217,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     d = q["pruned - full"]
     print(
         f"\nratio of medians {gen['ratio_of_medians']:.3f}, median paired ratio {gen['median_paired_ratio']:.3f}; "
-        f"pruning {gen['median_prune_seconds']:.3f} s (median), ratio with pruning {gen['ratio_with_pruning']:.3f}"
+        f"pruning {gen['median_prune_seconds']:.3f} s (median), ratio with pruning {gen['ratio_with_pruning']:.3f}; "
+        f"prefill: ratio of medians {gen['prefill_ratio_of_medians']:.3f}, "
+        f"median paired ratio {gen['prefill_median_paired_ratio']:.3f}"
     )
     print(
         f"pruned - full: similarity {d['similarity'][0]:+.3f} [{d['similarity'][1]:+.3f}, {d['similarity'][2]:+.3f}], "

@@ -170,6 +170,7 @@ def end_to_end(
         for arm in arms:
             generate(model, tok, encs[b], arm.make(), min(8, new_tokens))
         _, outputs[b] = generate(model, tok, encs[b], None, new_tokens)
+        log(f"batch {b}: warm-up done")
     times: dict[int, dict[str, list[float]]] = {b: {a.name: [] for a in arms} for b in batch_sizes}
     rng = random.Random(seed)
     pairs = [(b, a) for b in batch_sizes for a in arms]
@@ -271,9 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: leave torch's default). On a shared, loaded machine the default "
+        "threads stall in every parallel op; 1 thread keeps the timings proportional",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.new_tokens < 1 or args.calls < 1 or any(b < 1 for b in args.batch_sizes):
         ap.error("--rounds, --new-tokens, --calls and --batch-sizes must be positive")
+
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be positive")
+        torch.set_num_threads(args.threads)
 
     import transformers
 
@@ -286,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[dim]{time.strftime('%H:%M:%S')} {msg}[/dim]")
 
     started = time.perf_counter()
+    load_start = os.getloadavg()[0]
     model, tok = load_model(args.model, dtype=torch.float32)
     profile = load_profile(args.profile)
     arms = build_arms(profile, tok, args.new_tokens)
@@ -337,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
+        "threads_default": args.threads is None,
         "model": args.model or "SmolLM2-135M-Instruct (float32, CPU)",
         "profile": os.path.relpath(args.profile, REPO),
         "rounds": args.rounds,
@@ -344,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls": args.calls,
         "seed": args.seed,
         "wall_s": time.perf_counter() - started,
+        "load_average_start": load_start,
         "load_average_end": os.getloadavg()[0],
     }
     report(console, meta, results)
@@ -358,7 +374,8 @@ def report(console: Console, meta: dict[str, Any], results: dict[str, Any]) -> N
     console.print(
         f"\n[bold]Gravity overhead[/bold]: {meta['model']}, torch {meta['torch']}, {meta['threads']} threads, "
         f"{meta['rounds']} rounds × {meta['new_tokens']} tokens, {meta['calls']} direct calls, "
-        f"run took {meta['wall_s']:.0f} s"
+        f"run took {meta['wall_s']:.0f} s; load average {meta['load_average_start']:.2f} at start, "
+        f"{meta['load_average_end']:.2f} at end"
     )
     for b, res in results.items():
         arms = res["arms"]

