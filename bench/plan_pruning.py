@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--topics", type=int, default=len(TOPICS))
+    ap.add_argument("--first-topic", type=int, default=0, help="start at this topic (0-7)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--outline-tokens", type=int, default=32)
     ap.add_argument("--strength", type=float, default=1.5)
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model, tok = load_model()
     rows: list[dict[str, Any]] = []
-    for (prompt, topic), seed in itertools.product(TOPICS[: args.topics], range(args.seeds)):
+    for (prompt, topic), seed in itertools.product(
+        TOPICS[args.first_topic : args.first_topic + args.topics], range(args.seeds)
+    ):
         opts = SamplingOptions(max_new_tokens=args.new_tokens, top_k=10, temperature=1.0, seed=seed)
         t0 = time.perf_counter()
         samples = generate(model, tok, [prompt] * 4, options=opts, batch_size=4)

@@ -31,7 +31,8 @@ Limits: the "answer" is the article's lead, not a span; the question is a headli
 so it asks for the gist and not for a fact; inflection is rule-based and sometimes produces odd forms
 (``secretaries`` is fine, ``stoping`` would not be: the variant must also not look like a stem of a
 different word, which the rules do not check); entities are found by capitalization, so a headline in
-Title Case with no body mention is skipped. Everything is deterministic for a seed.
+Title Case with no body mention is skipped; the same-story filter compares titles and top words, so now and then
+a "nearby" article is the same event told by another outlet under a different headline. Everything is deterministic for a seed.
 
 >>> inflections("confirmed")
 ['confirming', 'confirms', 'confirm']
