@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--first-topic", type=int, default=0, help="start at this topic (0-7)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--outline-tokens", type=int, default=32)
-    ap.add_argument("--strength", type=float, default=1.5)
+    ap.add_argument("--strength", type=float, default=3.0)
     ap.add_argument("--ablation", action="store_true", help="also run plan-then-write with strength 0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -144,17 +144,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     diff = mean_ci([r["plan"]["relevance"] - r["best4"]["relevance"] for r in rows])
     diff_fields = mean_ci([r["plan, fields only"]["relevance"] - r["best4"]["relevance"] for r in rows])
     ratio = summary["plan"]["tokens"] / summary["best4"]["tokens"]
-    plan_rel = summary["plan"]["relevance"][0]
-    reach_k = next((k for k in range(1, 5) if summary[f"best-of-{k}"]["relevance"][0] >= plan_rel), None)
+    reach = {}
+    for name in ("plan", "plan, fields only"):
+        target = summary[name]["relevance"][0]
+        reach[name] = next((k for k in range(1, 5) if summary[f"best-of-{k}"]["relevance"][0] >= target), None)
     print(
         f"\nplan - best4 relevance: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]; plan tokens / best4 tokens: "
         f"{ratio:.2f}; seconds ratio {summary['plan']['seconds'] / summary['best4']['seconds']:.2f}"
     )
     print(f"plan, fields only - best4 relevance: {diff_fields[0]:+.3f} [{diff_fields[1]:+.3f}, {diff_fields[2]:+.3f}]")
-    print(
-        "smallest best-of-k reaching the plan's mean relevance: "
-        + (f"k={reach_k} ({summary[f'best-of-{reach_k}']['tokens']:.0f} tokens)" if reach_k else "none of k<=4")
-    )
+    for name, k in reach.items():
+        print(
+            f"smallest best-of-k reaching the mean relevance of '{name}': "
+            + (f"k={k} ({summary[f'best-of-{k}']['tokens']:.0f} tokens)" if k else "none of k<=4")
+        )
     result = {
         "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},

@@ -255,6 +255,18 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
     assert 0 < res.write_tokens <= 10
     assert res.generated_tokens == res.draft_tokens + res.write_tokens
     assert res.stages and abs(sum(s.share for s in res.stages) - 1) < 1e-6
+    assert res.write_prompt == "the planet and its orbit"
+    # the prompt's own words join every stage
+    assert all({"planet", "orbit"} <= set(s.core_semantics) for s in res.stages)
+
+
+def test_plan_then_write_can_put_the_outline_in_the_prompt(tiny_model):
+    model, tok = tiny_model
+    res = plan_then_write(
+        model, tok, "the planet", n_drafts=2, outline_tokens=12, max_new_tokens=4, encoder=ENC, include_outline=True
+    )
+    assert res.write_prompt.startswith("the planet\nFollow this outline:\n1. ")
+    assert all(sec in res.write_prompt for sec in res.outline.sections)
 
 
 def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):

@@ -510,6 +510,7 @@ class PlanResult:
     write_tokens: int
     seconds: float
     final_stage: list[int] = field(default_factory=list)
+    write_prompt: str = ""
 
     @property
     def generated_tokens(self) -> int:
@@ -539,19 +540,22 @@ def plan_then_write(
     sections: int = 3,
     outline_tokens: int = 40,
     max_new_tokens: int = 160,
-    strength: float = 1.5,
+    strength: float = 3.0,
     cover_fraction: float = 0.5,
     temperature: float = 1.0,
     top_k: int = 10,
     seed: int = 0,
     encoder: Encoder | None = None,
-    include_outline: bool = True,
+    include_outline: bool = False,
     raw: bool | None = None,
     prompt_words: int = 4,
 ) -> PlanResult:
     """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a :class:`StagedLogitsProcessor`.
 
-    With ``stages`` given by hand, no outline is drafted. A ``profile`` adds its narrative to the outline
+    The plan reaches the text through the staged field only; ``include_outline=True`` also writes the outline
+    into the prompt (with SmolLM2-135M that lowered topic relevance: its outlines are often poor, and in the
+    prompt they lead the text away; see ``docs/pruning.md``). With ``stages`` given by hand, no outline is
+    drafted. A ``profile`` adds its narrative to the outline
     score and its core words to every stage; without one, the prompt's first ``prompt_words`` content words
     join every stage.
     """
@@ -610,4 +614,5 @@ def plan_then_write(
         write_tokens=out.new_tokens,
         seconds=time.perf_counter() - t0,
         final_stage=final,
+        write_prompt=write,
     )
