@@ -21,9 +21,13 @@ Two measurements, in one run:
 A breakdown of our processor's call into its parts (NaN check, field lookup, controller, pull, thermometer) is
 printed as well, so an over-budget cost can be traced to an op.
 
-Run::
+Run (the defaults, 5 rounds of about 1 minute plus warm-up, take an estimated 6 minutes on an idle 2-core
+machine; the results in bench/overhead_results.md come from 7 rounds)::
 
-    python bench/overhead.py --rounds 7 --new-tokens 64 --batch-sizes 1 8 --json bench/overhead.json
+    python bench/overhead.py --rounds 7 --new-tokens 64 --batch-sizes 1 8 --json /tmp/overhead.json
+
+On a shared machine the default torch threads stall in every parallel op while other processes hold the cores;
+``--threads 1`` then keeps the timings proportional.
 """
 
 from __future__ import annotations
@@ -264,7 +268,12 @@ def breakdown(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=7, help="end-to-end rounds (arms interleaved in each)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="end-to-end rounds, arms interleaved in each (about 1 min each on 2 cores)",
+    )
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (min = max)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--calls", type=int, default=200, help="direct measurement: calls per processor")

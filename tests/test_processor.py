@@ -437,3 +437,15 @@ def test_e2e_processor_reused_across_generations(tiny_model: tuple[Any, Any]) ->
     assert torch.equal(first, second)
     assert torch.equal(trace.tensor(), first_trace)  # reset at the start of the second generation
     assert trace.to_numpy()["strength"][0].tolist()[:5] == [1.0, 2.0, 2.0, 2.0, 3.0][: len(trace)]
+
+
+def test_row_with_both_infinities_is_not_mistaken_for_nan():
+    import torch
+
+    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
+    from narrative_gravity.fields import NarrativeField
+
+    proc = NarrativeGravityLogitsProcessor(NarrativeField(values=torch.tensor([1.0, 0.0, 0.0])), strength=1.0)
+    scores = torch.tensor([[float("inf"), float("-inf"), 0.0]])
+    out = proc(torch.tensor([[1]]), scores)
+    assert torch.isposinf(out[0, 0]) and torch.isneginf(out[0, 1])

@@ -116,12 +116,16 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             )
 
     def _check_nan(self, scores: torch.Tensor, step: int) -> None:
-        rows_nan = torch.isnan(scores).any(dim=-1)
         every = self.nan_check_every or (1 if scores.device.type == "cpu" else 16)
         if every == 1:
-            if bool(rows_nan.any()):
-                self._raise_nan(rows_nan, torch.full_like(rows_nan, step, dtype=torch.long))
+            # One read-only reduction per row; the exact (full-size) check runs only when a row sum is NaN,
+            # which also happens for a row holding both +inf and -inf.
+            if bool(torch.isnan(scores.sum(dim=-1)).any()):
+                rows_nan = torch.isnan(scores).any(dim=-1)
+                if bool(rows_nan.any()):
+                    self._raise_nan(rows_nan, torch.full_like(rows_nan, step, dtype=torch.long))
             return
+        rows_nan = torch.isnan(scores).any(dim=-1)
         first = self._first_nan_step
         if first is None or first.shape[0] != rows_nan.shape[0]:
             first = torch.full(rows_nan.shape, -1, dtype=torch.long, device=scores.device)
