@@ -7,13 +7,16 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from narrative_gravity.control import ConstantController, PhaseScheduleController, StepContext
+from narrative_gravity.core import apply_gravity
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.thermo import Trace
+from narrative_gravity.thermo import Trace, measure
 
 NEG_INF = float("-inf")
 V = 6
@@ -120,6 +123,58 @@ def test_controller_sees_context() -> None:
     assert c.max_new_tokens == 7 and c.batch_size == 2 and c.device.type == "cpu"
     assert c.input_ids.shape == (2, 5) and c.logits.shape == (2, V)
     assert torch.equal(c.field, plain_field().values)
+
+
+class DenseConstant(ConstantController):
+    """A constant controller that asks for the dense field, so the processor takes the dense path."""
+
+    needs_field = True
+
+
+def random_field(seed: int, v: int = 40, entries: int = 12) -> NarrativeField:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.zeros(v)
+    on = torch.randperm(v, generator=g)[:10]
+    values[on] = torch.rand(10, generator=g) * 2 - 1
+    prefixes = torch.randint(0, 6, (entries, 3), generator=g)
+    prefixes[:, 0] = torch.where(torch.rand(entries, generator=g) < 0.5, -1, prefixes[:, 0])
+    return NarrativeField(
+        values=values,
+        prefixes=prefixes,
+        next_ids=torch.randint(0, v, (entries,), generator=g),
+        next_values=torch.rand(entries, generator=g) * 2 - 1,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 5), strength=st.floats(0.0, 8.0))
+def test_support_path_equals_dense_path(seed: int, batch: int, strength: float) -> None:
+    field = random_field(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 6, (batch, 5), generator=g)
+    logits = torch.randn(batch, 40, generator=g) * 3
+    logits[0, 7] = NEG_INF
+    fast_trace, dense_trace = Trace(), Trace()
+    fast = NarrativeGravityLogitsProcessor(field, strength=strength, trace=fast_trace)
+    dense = NarrativeGravityLogitsProcessor(field, DenseConstant(strength), trace=dense_trace)
+    assert fast._sparse and not dense._sparse
+    out_fast, out_dense = fast(ids, logits), dense(ids, logits)
+    expected = apply_gravity(logits, field.for_step(ids), strength)
+    torch.testing.assert_close(out_fast, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_dense, expected, rtol=1e-6, atol=1e-6)
+    reference = measure(logits, field.for_step(ids), torch.full((batch,), strength)).stack()
+    torch.testing.assert_close(fast_trace.tensor()[:, 0], reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dense_trace.tensor()[:, 0], reference, rtol=1e-4, atol=1e-5)
+
+
+def test_controller_without_needs_field_gets_the_dense_field() -> None:
+    field = random_field(3)
+    ctl = RecordingController()
+    proc = NarrativeGravityLogitsProcessor(field, ctl)
+    ids = torch.randint(0, 6, (2, 5), generator=torch.Generator().manual_seed(0))
+    proc(ids, torch.zeros(2, 40))
+    assert not proc._sparse
+    assert torch.equal(ctl.seen[0].field, field.for_step(ids))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,7 +52,12 @@ class StepContext:
 
 @runtime_checkable
 class StrengthController(Protocol):
-    """Anything that maps a :class:`StepContext` to a ``[B]`` strength tensor."""
+    """Anything that maps a :class:`StepContext` to a ``[B]`` strength tensor.
+
+    A controller that never reads ``ctx.field`` may say so with a class attribute ``needs_field = False``;
+    the processors then skip building the dense ``[B, V]`` field and apply gravity on the field's support
+    alone. Without the attribute the field is built (safe for any controller).
+    """
 
     def __call__(self, ctx: StepContext) -> torch.Tensor: ...
 
@@ -67,6 +72,8 @@ def _check_strength(value: float, name: str = "strength") -> float:
 
 class _BaseStrength:
     """Holds one base λ, or one per row, and broadcasts it to the batch (beams included)."""
+
+    needs_field = False
 
     def __init__(self, strength: float | Sequence[float]) -> None:
         if isinstance(strength, (int, float)):
@@ -358,6 +365,8 @@ class ThermostatController(_BaseStrength):
     >>> c(StepContext(step=50, max_new_tokens=100, batch_size=1, logits=confident, field=field)).item()
     0.0
     """
+
+    needs_field = True
 
     def __init__(
         self,

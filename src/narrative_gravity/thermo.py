@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Measurement", "Trace", "measure", "narrative_mass"]
+__all__ = ["Measurement", "Trace", "measure", "measure_on_support", "narrative_mass"]
 
 METRICS = ("entropy", "mass", "mass_after", "kl", "strength")
 
@@ -69,56 +69,82 @@ def measure(
     True
     """
     logits = logits.float()
-    lam = strength.reshape(-1, 1).float() if strength.dim() else strength.float()
+    if support is not None:
+        b = logits.shape[0]
+        a_s = field[support] if field.dim() == 1 else field.gather(1, support[None].expand(b, -1))
+        pruned = None
+        if pulled is not None:
+            idx = support[None].expand(b, -1)
+            pruned = torch.isneginf(pulled.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
+        return measure_on_support(logits, support, a_s, strength, pruned=pruned)
+    lam = _row_strength(strength)
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
     entropy = -(p * logp).nansum(-1)  # 0·log 0 is NaN here and dropped, as it should be
     on = (field > 0).to(p.dtype)
     mass = p @ on if on.dim() == 1 else (p * on).sum(-1)
-    if support is not None:
-        mass_after, kl = _pulled_on_support(logits, p, field, lam, pulled, support)
-    else:
-        if pulled is None:
-            pulled = logits + lam * field
-        logq = torch.log_softmax(pulled.float(), dim=-1)
-        q = logq.exp()
-        # KL is >= 0; rounding can leave a tiny negative value when the pull is zero.
-        kl = (q * (logq - logp)).nansum(-1).clamp_min(0.0)
-        mass_after = q @ on if on.dim() == 1 else (q * on).sum(-1)
-    b = logits.shape[0]
-    lam_row = lam.reshape(-1).expand(b) if lam.numel() in (1, b) else lam.reshape(-1)
-    clean = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (entropy, mass, mass_after, kl)]
-    return Measurement(*clean, strength=lam_row.to(p.dtype).clone())
+    if pulled is None:
+        pulled = logits + lam * field
+    logq = torch.log_softmax(pulled.float(), dim=-1)
+    q = logq.exp()
+    # KL is >= 0; rounding can leave a tiny negative value when the pull is zero.
+    kl = (q * (logq - logp)).nansum(-1).clamp_min(0.0)
+    mass_after = q @ on if on.dim() == 1 else (q * on).sum(-1)
+    return _measurement(entropy, mass, mass_after, kl, lam, logits.shape[0])
 
 
-def _pulled_on_support(
+def measure_on_support(
     logits: torch.Tensor,
-    p: torch.Tensor,
-    field: torch.Tensor,
-    lam: torch.Tensor,
-    pulled: torch.Tensor | None,
     support: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Narrative mass and ``KL(p'‖p)`` of ``p' ∝ p·w`` with ``w = exp(λa)`` (0 where pruned), from ``support``.
+    field: torch.Tensor,
+    strength: torch.Tensor,
+    pruned: torch.Tensor | None = None,
+) -> Measurement:
+    """:func:`measure` for a field given on its support alone (``field`` is ``[S]`` or ``[B, S]``).
 
-    With ``Z = Σ p·w = 1 + Σ_S p·(w − 1)``: mass' = ``Σ_{S, a>0} p·w / Z`` and
-    KL = ``Σ_S p·w·λa / Z − log Z``.
+    The pulled distribution is ``p' ∝ p·w`` with ``w = exp(λa)`` on the support (0 where ``pruned``, a
+    ``[B, S]`` bool) and 1 elsewhere. With ``Z = 1 + Σ_S p·(w − 1)``: mass' = ``Σ_{S, a>0} p·w / Z`` and
+    ``KL(p'‖p) = Σ_S p·w·log w / Z − log Z``. The whole-vocabulary work is one ``log_softmax`` and the entropy.
+
+    >>> logits = torch.randn(2, 6)
+    >>> dense = measure(logits, torch.tensor([1.0, 0, 0, -0.5, 0, 0]), torch.tensor([2.0, 0.5]))
+    >>> sparse = measure_on_support(logits, torch.tensor([0, 3]), torch.tensor([1.0, -0.5]), torch.tensor([2.0, 0.5]))
+    >>> bool(torch.allclose(dense.stack(), sparse.stack(), atol=1e-5))
+    True
     """
+    logits = logits.float()
+    lam = _row_strength(strength)
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp).nansum(-1)
     b = p.shape[0]
-    idx = support[None].expand(b, -1)
-    p_s = p.gather(1, idx)
-    a_s = field[support][None].expand(b, -1) if field.dim() == 1 else field.gather(1, idx)
-    log_w = lam * a_s
+    p_s = p.gather(1, support[None].expand(b, -1))
+    a_s = field.float()
+    on = (a_s > 0).to(p.dtype)
+    mass = (p_s * on).sum(-1)
+    log_w = (lam * a_s).expand(b, -1)
+    if pruned is not None:
+        log_w = log_w.masked_fill(pruned, 0.0)
     w = log_w.exp()
-    if pulled is not None:
-        pruned = torch.isneginf(pulled.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
-        w = torch.where(pruned, torch.zeros_like(w), w)
-        log_w = torch.where(pruned, torch.zeros_like(log_w), log_w)
+    if pruned is not None:
+        w = w.masked_fill(pruned, 0.0)
     pw = p_s * w
     z = 1.0 + (p_s * (w - 1.0)).sum(-1)
-    mass_after = (pw * (a_s > 0)).sum(-1) / z
+    mass_after = (pw * on).sum(-1) / z
     kl = ((pw * log_w).sum(-1) / z - torch.log(z)).clamp_min(0.0)
-    return mass_after, kl
+    return _measurement(entropy, mass, mass_after, kl, lam, b)
+
+
+def _row_strength(strength: torch.Tensor) -> torch.Tensor:
+    return strength.reshape(-1, 1).float() if strength.dim() else strength.float()
+
+
+def _measurement(
+    entropy: torch.Tensor, mass: torch.Tensor, mass_after: torch.Tensor, kl: torch.Tensor, lam: torch.Tensor, b: int
+) -> Measurement:
+    lam_row = lam.reshape(-1).expand(b) if lam.numel() in (1, b) else lam.reshape(-1)
+    clean = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (entropy, mass, mass_after, kl)]
+    return Measurement(*clean, strength=lam_row.to(entropy.dtype).clone())
 
 
 @dataclass

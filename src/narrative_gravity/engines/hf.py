@@ -16,10 +16,10 @@ import torch
 from transformers import LogitsProcessor
 
 from ..control import ConstantController, StepContext, StrengthController
-from ..core import apply_gravity, prune_mask
+from ..core import apply_gravity, apply_gravity_on_support, prune_mask
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..fields import NarrativeField
-from ..thermo import Trace, measure
+from ..thermo import Trace, measure, measure_on_support
 
 __all__ = ["NarrativeGravityLogitsProcessor"]
 
@@ -82,6 +82,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.nan_check_every = nan_check_every
         self._fitted: tuple[tuple[int, str, torch.dtype], NarrativeField] | None = None
         self._support: torch.Tensor | None = None
+        # Without pruning, and with a controller that does not read the field, gravity touches the field's
+        # support only (see NarrativeField.on_support): no [B, V] field is ever built.
+        self._sparse = prune_threshold is None and not getattr(controller, "needs_field", True)
         self.reset()
 
     def reset(self) -> None:
@@ -154,6 +157,8 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         step = length - self._prompt_len
         self._check_nan(scores, step)
         field = self._field_for(scores)
+        if self._sparse:
+            return self._step_on_support(field, input_ids, scores, step)
         a = field.for_step(input_ids)
         ctx = StepContext(
             step=step,
@@ -173,4 +178,28 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         out = apply_gravity(scores, a, lam, prune_mask(a, self.prune_threshold))
         if self.trace is not None:
             self.trace.record(measure(scores, a, lam, pulled=out, support=self._support))
+        return out
+
+    def _step_on_support(
+        self, field: NarrativeField, input_ids: torch.Tensor, scores: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        """The fast path (no pruning, a controller that does not read the field): work on the support only."""
+        support, a_s = field.on_support(input_ids)
+        if self.measure_only:
+            if self.trace is not None:
+                zero = torch.zeros(scores.shape[0], device=scores.device)
+                self.trace.record(measure_on_support(scores, support, a_s, zero))
+            return scores
+        ctx = StepContext(
+            step=step,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=scores.shape[0],
+            device=scores.device,
+            logits=scores,
+            input_ids=input_ids,
+        )
+        lam = self.controller(ctx)
+        out = apply_gravity_on_support(scores, support, a_s, lam)
+        if self.trace is not None:
+            self.trace.record(measure_on_support(scores, support, a_s, lam))
         return out

@@ -20,6 +20,7 @@ A field has two parts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -104,6 +105,34 @@ class NarrativeField:
             ids = torch.cat([ids, self.next_ids.to(ids.device)])
         return torch.unique(ids)
 
+    @cached_property
+    def _support_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(support [S], values on it [S], position in the support of each continuation entry [E])``."""
+        support = self.support()
+        pos = torch.searchsorted(support, self.next_ids) if self.has_continuations else None
+        return support, self.values[support], pos
+
+    def on_support(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The field for the next token, gathered on :meth:`support`: ``(ids [S], values [S] or [B, S])``.
+
+        Equal to ``for_step(input_ids)[..., ids]`` and zero elsewhere, at a cost of ``B × (E + S)``
+        instead of ``B × V``: the processor adds it with one ``index_add``.
+
+        >>> f = NarrativeField(values=torch.tensor([0.0, 1.0, 0.5, 0.0]),
+        ...                    prefixes=torch.tensor([[-1, 2]]), next_ids=torch.tensor([3]),
+        ...                    next_values=torch.tensor([1.0]))
+        >>> ids, vals = f.on_support(torch.tensor([[0, 2], [0, 1]]))
+        >>> ids.tolist(), vals.tolist()
+        ([1, 2, 3], [[1.0, 0.5, 1.0], [1.0, 0.5, 0.0]])
+        """
+        support, base, pos = self._support_tables
+        if pos is None:
+            return support, base
+        contrib = self._matches(input_ids).to(base.dtype) * self.next_values[None]  # [B, E]
+        step = torch.zeros(input_ids.shape[0], support.shape[0], dtype=base.dtype, device=base.device)
+        step.index_add_(1, pos, contrib)
+        return support, step.add_(base).clamp_(-1.0, 1.0)
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> NarrativeField:
         """Move the field to a device (and the values to a float dtype)."""
 
@@ -162,12 +191,15 @@ class NarrativeField:
         out = torch.zeros(b, self.vocab_size, dtype=self.values.dtype, device=self.values.device)
         if not self.has_continuations:
             return out
+        contrib = self._matches(input_ids).to(self.values.dtype) * self.next_values[None]
+        out.scatter_add_(1, self.next_ids[None].expand(b, -1), contrib)
+        return out
+
+    def _matches(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, E]``: whether each row's last tokens end with each entry's prefix."""
         lp = self.max_prefix_len
         tail = input_ids[:, -lp:]
         if tail.shape[1] < lp:  # shorter history than the longest prefix: pad with an id no prefix uses
             tail = torch.nn.functional.pad(tail, (lp - tail.shape[1], 0), value=-2)
         pref = self.prefixes
-        match = ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)  # [B, E]
-        contrib = match.to(self.values.dtype) * self.next_values[None]
-        out.scatter_add_(1, self.next_ids[None].expand(b, -1), contrib)
-        return out
+        return ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)
