@@ -230,9 +230,9 @@ def breakdown(
 ) -> dict[str, float]:
     """Median seconds of each part of our processor's call (same ops, same order, as engines/hf.py)."""
     from narrative_gravity.control import StepContext
-    from narrative_gravity.core import apply_gravity, prune_mask
+    from narrative_gravity.core import apply_gravity_on_support
     from narrative_gravity.steer import processor_from_profile
-    from narrative_gravity.thermo import measure
+    from narrative_gravity.thermo import measure_on_support
 
     proc = processor_from_profile(profile, tok, max_new_tokens=new_tokens)
     vocab = len(tok)
@@ -240,9 +240,8 @@ def breakdown(
     scores = torch.randn(batch, vocab) * 3
     field = proc._field_for(scores)
     steps = [output_ids[:, : prompt_len + s].contiguous() for s in range(new_tokens)]
-    parts: dict[str, list[float]] = {
-        k: [] for k in ("nan check", "field.for_step", "controller", "apply_gravity", "thermo.measure")
-    }
+    names = ("nan check", "field.on_support", "controller", "apply_gravity_on_support", "measure_on_support")
+    parts: dict[str, list[float]] = {k: [] for k in names}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -250,19 +249,24 @@ def breakdown(
         parts[name].append(time.perf_counter() - t0)
         return r
 
+    # The parts of the processor's fast path (no pruning, a controller that does not read the field).
+    assert proc._sparse, "the breakdown times the support path; this profile takes the dense one"
     with torch.no_grad():
         for c in range(calls + 16):
             ids = steps[c % new_tokens]
             step = c % new_tokens
-            timed("nan check", lambda: bool(torch.isnan(scores).any(dim=-1).any()))
-            a = timed("field.for_step", lambda ids=ids: field.for_step(ids))
-            ctx = StepContext(step=step, max_new_tokens=new_tokens, batch_size=batch, logits=scores, field=a)
+            timed("nan check", lambda: bool(torch.isnan(scores.sum(dim=-1)).any()))
+            support, a_s = timed("field.on_support", lambda ids=ids: field.on_support(ids))
+            ctx = StepContext(step=step, max_new_tokens=new_tokens, batch_size=batch, logits=scores)
             lam = timed("controller", lambda ctx=ctx: proc.controller(ctx))
-            out = timed(
-                "apply_gravity",
-                lambda a=a, lam=lam: apply_gravity(scores, a, lam, prune_mask(a, proc.prune_threshold)),
+            timed(
+                "apply_gravity_on_support",
+                lambda a_s=a_s, lam=lam, support=support: apply_gravity_on_support(scores, support, a_s, lam),
             )
-            timed("thermo.measure", lambda a=a, lam=lam, out=out: measure(scores, a, lam, pulled=out))
+            timed(
+                "measure_on_support",
+                lambda a_s=a_s, lam=lam, support=support: measure_on_support(scores, support, a_s, lam),
+            )
     return {k: median(v[16:]) for k, v in parts.items()}
 
 

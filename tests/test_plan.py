@@ -282,3 +282,71 @@ def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):
     assert res.draft_tokens == 0 and res.outlines == [] and res.outline is None
     assert [s.core_semantics for s in res.stages] == [["planet"], ["galaxy"]]
     assert len(res.final_stage) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# stages declared in a profile
+
+
+def _staged_profile(**extra):
+    from narrative_gravity.profile import Profile
+
+    return Profile.from_mapping(
+        {
+            "core_semantics": ["planet", "galaxy"],
+            "schedule": "constant",
+            "gravity_strength": 2.0,
+            "stages": [
+                {"name": "gather", "core_semantics": ["planet"], "share": 0.25},
+                {"name": "analyse tool results", "core_semantics": ["galaxy"]},
+            ],
+            **extra,
+        }
+    )
+
+
+def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
+    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.thermo import Trace
+
+    tok = tiny_tokenizer
+    trace = Trace()
+    proc = processor_from_profile(_staged_profile(), tok, max_new_tokens=8, trace=trace)
+    assert isinstance(proc, StagedLogitsProcessor)
+    planet, galaxy = _tok_id(tok, "planet"), _tok_id(tok, "galaxy")
+    ids, pulled = torch.tensor([[5, 6, 7]]), []
+    for _ in range(4):  # stage 0 has 2 of the 8 tokens
+        out = proc(ids, torch.zeros(1, len(tok)))
+        pulled.append((float(out[0, planet]), float(out[0, galaxy])))
+        ids = torch.cat([ids, torch.tensor([[9]])], dim=1)
+    assert pulled == [(2.0, 0.0), (2.0, 0.0), (0.0, 2.0), (0.0, 2.0)]
+    assert trace.to_numpy()["strength"].tolist() == [[2.0] * 4]
+    assert (trace.to_numpy()["kl"] > 0).all()
+
+
+def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(tiny_tokenizer):
+    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
+    from narrative_gravity.steer import processor_from_profile
+
+    with pytest.raises(ConfigurationError, match="pass max_new_tokens"):
+        processor_from_profile(_staged_profile(), tiny_tokenizer)
+    control = processor_from_profile(_staged_profile(), tiny_tokenizer, max_new_tokens=8, measure_only=True)
+    assert isinstance(control, NarrativeGravityLogitsProcessor) and control.measure_only
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([{"core_semantics": ["a"], "share": 0.7}, {"core_semantics": ["b"], "share": 0.6}], "add up to 1.3"),
+        ([{"core_semantics": ["a"], "share": 1.0}, {"core_semantics": ["b"]}], "leave nothing"),
+        ([{"core_semantics": []}], r"stages\.0\.core_semantics"),
+        ([{"core_semantics": ["a"], "weight": 2}], r"stages\.0\.weight"),
+        ([], "stages"),
+    ],
+)
+def test_profile_stage_errors_name_the_key(stages, message):
+    from narrative_gravity.errors import ProfileError
+    from narrative_gravity.profile import Profile
+
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_mapping({"core_semantics": ["x"], "stages": stages})

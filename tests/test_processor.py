@@ -208,6 +208,26 @@ def test_new_generation_resets_state() -> None:
     assert ctl.seen[-1].step == 0 and len(trace) == 1
 
 
+def test_new_prompt_one_token_longer_is_a_new_generation() -> None:
+    ctl = RecordingController()
+    proc = NarrativeGravityLogitsProcessor(plain_field(), ctl)
+    run_steps(proc, torch.tensor([[1, 2, 3]]), 2)  # lengths 3, 4
+    proc(torch.tensor([[5, 4, 3, 2, 1]]), torch.zeros(1, V))  # length 5, but a different prompt
+    assert [c.step for c in ctl.seen] == [0, 1, 0]
+    proc(torch.tensor([[0, 0, 0], [0, 0, 0]]), torch.zeros(2, V))  # another batch size
+    proc(torch.tensor([[0, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 1]]), torch.zeros(3, V))
+    assert [c.step for c in ctl.seen[3:]] == [0, 0]
+
+
+def test_beam_reordering_keeps_the_generation() -> None:
+    ctl = RecordingController()
+    proc = NarrativeGravityLogitsProcessor(plain_field(), ctl)
+    proc(torch.tensor([[1, 2], [1, 2]]), torch.zeros(2, V))
+    proc(torch.tensor([[1, 2, 4], [1, 2, 3]]), torch.zeros(2, V))
+    proc(torch.tensor([[1, 2, 3, 0], [1, 2, 4, 5]]), torch.zeros(2, V))  # beams swapped rows
+    assert [c.step for c in ctl.seen] == [0, 1, 2]
+
+
 def test_reset_clears_trace() -> None:
     trace = Trace()
     proc = NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, trace=trace)

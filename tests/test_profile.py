@@ -10,7 +10,8 @@ import pytest
 
 from narrative_gravity.control import PhaseScheduleController
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.profile import FieldOptions, Phases, Profile, load_profile, split_compound
+from narrative_gravity.fields import expand_keywords
+from narrative_gravity.profile import FieldOptions, Phases, Profile, load_profile
 
 CLASSIC = {
     "task_type": "code_generation",
@@ -85,8 +86,10 @@ def test_keywords_dedupe_and_strip() -> None:
         ("two words", ["two words"]),
     ],
 )
-def test_split_compound(word: str, parts: list[str]) -> None:
-    assert split_compound(word) == parts
+def test_compounds_split_like_profiles(word: str, parts: list[str]) -> None:
+    assert expand_keywords([word]) == parts
+    if word.strip():  # a profile rejects empty entries instead
+        assert Profile.from_mapping({"core_semantics": ["x", word]}).keywords() == ["x", *parts]
 
 
 def test_controller_kwargs_build_a_schedule() -> None:
@@ -296,3 +299,16 @@ def test_several_problems_are_listed() -> None:
 def test_profile_error_is_value_error() -> None:
     with pytest.raises(ValueError):
         Profile.from_mapping({})
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"core_semantics": ["orbit"], "gravity_strength": True}, "gravity_strength"),
+        ({"core_semantics": ["orbit"], "phases": {"explore": False}}, "phases.explore"),
+        ({"core_semantics": ["orbit"], "thermostat": {"drift_window": True}}, "thermostat.drift_window"),
+    ],
+)
+def test_booleans_are_not_read_as_numbers(data: dict[str, Any], key: str) -> None:
+    msg = err(data)
+    assert f"`{key}`" in msg and "is a boolean" in msg and "write a number" in msg

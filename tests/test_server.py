@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,13 +19,13 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
 from narrative_gravity.errors import ConfigurationError  # noqa: E402
 from narrative_gravity.fields import NarrativeField  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app, make_backend  # noqa: E402
 from narrative_gravity.server.hf import GroupedGravityLogitsProcessor  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
+from servers import RunningServer  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -35,36 +33,6 @@ CHAT_TEMPLATE = (
 )
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
-
-
-class RunningServer:
-    """uvicorn in a background thread on a free loopback port."""
-
-    def __init__(self, app: Any) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-
-    def client(self, api_key: str = "unused", **kwargs: Any) -> Any:
-        http = httpx.Client(trust_env=False, timeout=60)
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, http_client=http, **kwargs)
-
-    def http(self) -> Any:
-        return httpx.Client(base_url=self.url, trust_env=False, timeout=60)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -327,17 +295,21 @@ def check_api_key_and_queue_limit(http: Any, wrong: Any, client: Any) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"gravity": SPACE})
 
 
-def test_vllm_engine_says_it_is_not_available_yet(tmp_path: Path) -> None:
+def test_vllm_engine_without_vllm_names_the_fix(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from narrative_gravity.cli import app
 
-    with pytest.raises(ConfigurationError, match="not available yet"):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; tests/test_vllm.py serves with it")
+    with pytest.raises(ConfigurationError, match=r"setup_vllm\.sh"):
         make_backend("vllm")
     with pytest.raises(ConfigurationError, match="unknown engine"):
         make_backend("tgi")
+    with pytest.raises(ConfigurationError, match="--engine vllm only"):
+        make_backend("hf", max_num_seqs=4)
     res = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--store", str(tmp_path)])
-    assert res.exit_code == 2 and "not available yet" in res.output
+    assert res.exit_code == 2 and "needs vLLM" in res.output
 
 
 # ----------------------------------------------------------------------------------------------- real model

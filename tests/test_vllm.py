@@ -341,3 +341,53 @@ def test_bad_profile_is_rejected_and_others_run_on(runs: dict[str, Any]) -> None
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
     assert done == {"good-0": runs["alone"][0], "good-2": runs["alone"][2]}
+
+
+# --------------------------------------------------------------------------------------------------
+# `ngrav serve --engine vllm`: the OpenAI-compatible server on the same engine
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from narrative_gravity.server import ServerConfig, create_app
+    from narrative_gravity.server.vllm import VLLMBackend
+    from narrative_gravity.store import ProfileStore
+    from servers import RunningServer
+
+    tok = runs["llm"].get_tokenizer()
+    backend = VLLMBackend(runs["llm"], model_id="smollm2")
+    store = ProfileStore(tmp_path)
+    store.set("search", SEARCH)
+    running = RunningServer(create_app(backend, config=ServerConfig(batch_window_ms=200), store=store))
+    try:
+        greedy = {"model": "smollm2", "max_tokens": NEW_TOKENS, "temperature": 0}
+        gravity = [{"gravity": STRONG}, {"gravity": {"profile": "search"}}, {"gravity": SPACE}, None]
+
+        async def all_rows() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+            async with client:
+
+                async def one(prompt: str, extra: Any) -> str:
+                    stream = await client.completions.create(prompt=prompt, stream=True, extra_body=extra, **greedy)
+                    return "".join([c.choices[0].text async for c in stream])
+
+                return await asyncio.gather(*(one(p, g) for p, g in zip(PROMPTS, gravity)))
+
+        # four concurrent streams with three profiles and none: each equals its row run alone on the engine
+        texts = asyncio.run(all_rows())
+        assert texts == [tok.decode(ids, skip_special_tokens=True) for ids in runs["alone"]]
+        with running.client() as client:
+            with pytest.raises(openai.BadRequestError, match="thermostat"):
+                client.completions.create(
+                    prompt="x", extra_body={"gravity": {**SPACE, "schedule": "thermostat"}}, **greedy
+                )
+            again = client.completions.create(prompt=PROMPTS[0], extra_body={"gravity": STRONG}, **greedy)
+            assert again.choices[0].text == texts[0]
+            assert again.model_extra["gravity"]["profile"] == "inline"
+    finally:
+        running.close()

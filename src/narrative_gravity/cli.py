@@ -274,7 +274,12 @@ def eval_command(
     out: Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")],
     profile: Annotated[
         list[str] | None,
-        typer.Option("--profile", help="profile file (repeat for several), or `auto`: one per topic from its words"),
+        typer.Option(
+            "--profile",
+            help="repeat for several arms: a profile file; `auto` (one profile per topic from its words); "
+            "`auto:TEMPLATE.json` (the same, from a template, named after it); `article` (the blog-post "
+            "processor); `weighted:λ` (weighted decoding)",
+        ),
     ] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="samples per prompt: seeds 0..N-1")] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="explicit seeds, e.g. 0,1,2 or 0-4")] = None,
@@ -360,9 +365,9 @@ def serve(
     store: Annotated[
         Path | None, typer.Option("--store", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder")
     ] = None,
-    engine: Annotated[str, typer.Option("--engine", help="hf (embedded transformers) or vllm (not available yet)")] = (
-        "hf"
-    ),
+    engine: Annotated[
+        str, typer.Option("--engine", help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)")
+    ] = "hf",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps")] = "cpu",
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")] = 8,
     batch_window_ms: Annotated[

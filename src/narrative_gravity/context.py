@@ -32,7 +32,6 @@ IDF with an epsilon heuristic; here IDF is Lucene's ``log(1 + (N - df + 0.5) / (
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigurationError
+from .text import STOPWORDS, content_words, stem, words
 
 __all__ = [
     "BM25",
@@ -59,79 +59,6 @@ __all__ = [
 ]
 
 Encoder = Callable[[Sequence[str]], Any]
-
-
-def _word_set(text: str) -> frozenset[str]:
-    return frozenset(text.split())
-
-
-# A compact English stopword list (function words, auxiliaries, and words that carry no topic).
-STOPWORDS = _word_set(
-    """
-a about above after again against all almost also although always am among an and another any anyone
-anything are around as at away back be became because become been before being below between both but by
-can cannot could did do does doing done down during each either else enough even ever every few for from
-further get gets getting give given go goes going gone got had has have having he her here hers herself
-him himself his how however i if in into is it its itself just know last least less let like made make
-many may me might more most much must my myself near need never new next no nor not now of off often on
-once one only or other others our ours ourselves out over own per perhaps put quite rather really said
-same say says see seem seemed seems several shall she should since so some something still such take
-than that the their theirs them themselves then there these they thing things this those though three
-through thus to today too two under until up upon us use used using very want was way we well were what
-whatever when where whether which while who whom whose why will with within without would yes yet you your
-yours yourself yourselves according told tell write writes written explain describe outline point points
-answer question questions
-"""
-)
-
-_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*[A-Za-z]|[A-Za-z]")
-_SUFFIXES = ("ations", "ation", "ments", "ment", "ings", "ing", "edly", "ed", "ly")
-
-
-def words(text: str) -> list[str]:
-    """Lower-cased words (letters, inner apostrophes and hyphens), possessive ``'s`` removed.
-
-    >>> words("DeVos's vote, 51-50: confirmed!")
-    ['devos', 'vote', 'confirmed']
-    """
-    out = []
-    for w in _WORD.findall(text):
-        w = w.lower()
-        if w.endswith("'s"):
-            w = w[:-2]
-        out.append(w.strip("'-"))
-    return [w for w in out if w]
-
-
-def stem(word: str) -> str:
-    """A light suffix stripper, enough for BM25 to match inflections (not a linguistic stemmer).
-
-    >>> [stem(w) for w in ("confirmed", "confirmation", "votes", "voting", "stories", "stopped")]
-    ['confirm', 'confirm', 'vot', 'vot', 'story', 'stop']
-    """
-    w = word.lower()
-    if len(w) > 4 and w.endswith("ies"):
-        w = w[:-3] + "y"
-    elif len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
-        w = w[:-1]
-    for suf in _SUFFIXES:
-        if w.endswith(suf) and len(w) - len(suf) >= 3:
-            w = w[: -len(suf)]
-            break
-    if len(w) > 3 and w.endswith("e"):
-        w = w[:-1]
-    if len(w) > 3 and w[-1] == w[-2] and w[-1] not in "aeiouls":
-        w = w[:-1]
-    return w
-
-
-def content_words(text: str, *, stopwords: frozenset[str] = STOPWORDS, min_length: int = 3) -> list[str]:
-    """Words that can carry a topic: no stopwords, at least ``min_length`` letters.
-
-    >>> content_words("The planet moves along its orbit around the Sun.")
-    ['planet', 'moves', 'along', 'orbit', 'sun']
-    """
-    return [w for w in words(text) if len(w) >= min_length and w not in stopwords]
 
 
 def _terms(text: str) -> list[str]:

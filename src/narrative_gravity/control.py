@@ -76,6 +76,11 @@ class _BaseStrength:
     needs_field = False
 
     def __init__(self, strength: float | Sequence[float]) -> None:
+        if isinstance(strength, (str, bytes)):
+            raise ConfigurationError(
+                f"`strength` has to be a number or a sequence of numbers, but is the string {strength!r}; "
+                "convert it first, e.g. float(value)"
+            )
         if isinstance(strength, (int, float)):
             self._rows: tuple[float, ...] = (_check_strength(strength),)
         else:

@@ -16,7 +16,15 @@ import torch
 from .errors import ConfigurationError
 from .thermo import Trace
 
-__all__ = ["GenerationResult", "SamplingOptions", "encode_prompts", "generate"]
+__all__ = [
+    "GenerationResult",
+    "SamplingOptions",
+    "encode_prompts",
+    "eos_token_ids",
+    "generate",
+    "generated_length",
+    "left_pad",
+]
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,13 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, raw: bool) -> list
     return out
 
 
-def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(input_ids, attention_mask)`` for decoder-only generation.
+
+    >>> ids, mask = left_pad([[5, 6], [7]], pad_id=0)
+    >>> ids.tolist(), mask.tolist()
+    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
+    """
     width = max(len(ids) for ids in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -146,12 +160,12 @@ def generate(
         return []
     encoded = encode_prompts(tokenizer, prompts, raw=raw)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     device = next(model.parameters()).device
     results: list[GenerationResult] = []
     for start in range(0, len(prompts), batch_size):
         chunk = encoded[start : start + batch_size]
-        ids, mask = _left_pad(chunk, pad_id)
+        ids, mask = left_pad(chunk, pad_id)
         trace = Trace() if record_trace else None
         processor = processor_factory(options.max_new_tokens, trace) if processor_factory else None
         kwargs = options.generate_kwargs()
@@ -167,7 +181,7 @@ def generate(
             )
         elapsed = time.perf_counter() - t0
         gen = out[:, ids.shape[1] :].cpu()
-        lengths = [_length(row, eos_ids) for row in gen.tolist()]
+        lengths = [generated_length(row, eos_ids) for row in gen.tolist()]
         traces = trace.to_numpy() if trace is not None and len(trace) else None
         means = trace.means(lengths) if trace is not None and len(trace) else None
         for i, (row, n) in enumerate(zip(gen.tolist(), lengths, strict=True)):
@@ -190,7 +204,8 @@ def generate(
     return results
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id of the model's generation config and of the tokenizer."""
     ids: set[int] = set()
     cfg = getattr(model, "generation_config", None)
     for value in (getattr(cfg, "eos_token_id", None), tokenizer.eos_token_id):
@@ -201,8 +216,12 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _length(row: list[int], eos_ids: set[int]) -> int:
-    """Tokens generated up to and including the first end-of-sequence token."""
+def generated_length(row: list[int], eos_ids: set[int]) -> int:
+    """Tokens generated up to and including the first end-of-sequence token.
+
+    >>> generated_length([4, 9, 2, 2], {2}), generated_length([4, 9], {2})
+    (3, 2)
+    """
     for i, tok in enumerate(row):
         if tok in eos_ids:
             return i + 1

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from .context import STOPWORDS, _word_set, content_words
 from .errors import ConfigurationError
 from .fields import NarrativeField
 from .fields.lexical import build_lexical_field, reach
+from .text import STOPWORDS, content_words, word_set
 
 __all__ = ["Conversation", "TopicMemory", "merge_fields", "weighted_lexical_field"]
 
 # chatty words that say nothing about the topic of a turn
-_CHAT_WORDS = _word_set(
+_CHAT_WORDS = word_set(
     "tell please thanks thank hello hi hey okay sure great good nice sorry help let's can't don't i'm it's "
     "that's what's there's you're ask asked asking"
 )
@@ -252,7 +252,7 @@ class Conversation:
     def say(self, user_text: str) -> str:
         """Answer ``user_text``, remember the exchange, and return the answer."""
         from .engines.hf import NarrativeGravityLogitsProcessor
-        from .generation import _eos_ids
+        from .generation import eos_token_ids
 
         if not isinstance(user_text, str) or not user_text.strip():
             raise ConfigurationError("`user_text` has to be a non-empty string")
@@ -281,7 +281,7 @@ class Conversation:
                 **self.options.generate_kwargs(),
             )
         gen = out[0, ids.shape[1] :].tolist()
-        eos = _eos_ids(self.model, self.tokenizer)
+        eos = eos_token_ids(self.model, self.tokenizer)
         gen = next((gen[:i] for i, t in enumerate(gen) if t in eos), gen)
         answer = self.tokenizer.decode(gen, skip_special_tokens=True).strip()
         self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]

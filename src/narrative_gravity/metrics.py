@@ -20,7 +20,7 @@ import torch
 
 from .fields import NarrativeField
 
-__all__ = ["distinct_n", "mean_ci", "narrative_token_rate", "penalized_hits", "token_field_values"]
+__all__ = ["distinct_n", "is_cjk", "mean_ci", "narrative_token_rate", "penalized_hits", "token_field_values"]
 
 
 def token_field_values(field: NarrativeField, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
@@ -50,7 +50,12 @@ def narrative_token_rate(field: NarrativeField, prompt_ids: Sequence[int], token
     return float((vals > 0).float().mean()) if vals.numel() else 0.0
 
 
-def _is_cjk(word: str) -> bool:
+def is_cjk(word: str) -> bool:
+    """Whether ``word`` has wide (CJK) characters, which are matched without word boundaries.
+
+    >>> is_cjk("二分查找"), is_cjk("binary")
+    (True, False)
+    """
     return any(unicodedata.east_asian_width(ch) in ("W", "F") for ch in word)
 
 
@@ -61,7 +66,7 @@ def penalized_hits(text: str, words: Iterable[str]) -> int:
         w = w.strip()
         if not w:
             continue
-        if _is_cjk(w):
+        if is_cjk(w):
             total += text.count(w)
         else:
             total += len(re.findall(rf"(?<!\w){re.escape(w)}(?!\w)", text, flags=re.IGNORECASE))

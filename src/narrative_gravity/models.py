@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "MODEL_PACKAGES",
     "ModelSource",
+    "hf_folder",
     "load_model",
     "load_tokenizer",
     "resolve_cache_dir",
@@ -174,6 +175,14 @@ def _hf_folder(source: ModelSource, cache_dir: Path | None, *, with_model: bool)
     if source.gguf_file is None:
         return source.folder
     return _convert_and_cache(source, resolve_cache_dir(cache_dir), with_model=with_model)
+
+
+def hf_folder(name_or_path: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None) -> Path:
+    """A Hugging Face folder (config, weights, tokenizer) for a model, for engines that load folders (vLLM).
+
+    A GGUF model is de-quantized into the cache once (see :func:`load_model`); a HF folder is returned as is.
+    """
+    return _hf_folder(resolve_model(name_or_path), cache_dir, with_model=True)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None) -> Any:

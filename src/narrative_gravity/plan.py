@@ -37,12 +37,13 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from .context import STOPWORDS, _word_set, content_words
 from .control import ConstantController, StepContext, StrengthController
 from .core import apply_gravity
 from .errors import ConfigurationError, FieldError
 from .fields import NarrativeField
 from .fields.lexical import build_lexical_field, reach, surface_forms
+from .text import STOPWORDS, content_words, word_set
+from .thermo import Trace, measure
 
 __all__ = [
     "Outline",
@@ -63,7 +64,7 @@ __all__ = [
 Encoder = Callable[[Sequence[str]], Any]
 
 # words of outline boilerplate that say nothing about a section's topic
-_OUTLINE_WORDS = _word_set(
+_OUTLINE_WORDS = word_set(
     "introduction conclusion overview summary section part intro body final first second third fourth fifth "
     "discuss discussion discussing discusses explore exploring talk talks brief briefly key main important "
     "including include includes example examples title outline short article essay story paragraph text post blog"
@@ -154,6 +155,8 @@ class StagedLogitsProcessor(LogitsProcessor):
         strength: λ when no controller is given.
         max_new_tokens: the budget the shares divide.
         cover_fraction: a stage is covered once this share of its words (at least one) has been generated.
+        trace: a :class:`~narrative_gravity.thermo.Trace` to record entropy, mass (on the current stage's
+            field), KL and λ per row and step; ``None`` = off.
 
     ``stage`` holds each row's current stage after a call (``[B]``). Scores are returned as a new tensor.
     """
@@ -168,6 +171,7 @@ class StagedLogitsProcessor(LogitsProcessor):
         strength: float = 1.5,
         max_new_tokens: int,
         cover_fraction: float = 0.5,
+        trace: Trace | None = None,
     ) -> None:
         if not fields or any(not isinstance(f, NarrativeField) for f in fields):
             raise ConfigurationError("`fields` has to be a non-empty list of NarrativeField, one per stage")
@@ -217,6 +221,7 @@ class StagedLogitsProcessor(LogitsProcessor):
         self.need = torch.tensor(need, dtype=torch.long)
         self.budget = torch.tensor([max(1, round(s * max_new_tokens)) for s in shares], dtype=torch.long)
         self.n_stages = n
+        self.trace = trace
         self.reset()
 
     @classmethod
@@ -236,6 +241,8 @@ class StagedLogitsProcessor(LogitsProcessor):
         self.stage: torch.Tensor | None = None
         self._start: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
+        if getattr(self, "trace", None) is not None:
+            self.trace.reset()
 
     def _to(self, device: torch.device, dtype: torch.dtype) -> None:
         if self.values.device != device or self.values.dtype != dtype:
@@ -304,6 +311,8 @@ class StagedLogitsProcessor(LogitsProcessor):
         length = input_ids.shape[-1]
         b = input_ids.shape[0]
         if self._last_len is None or length != self._last_len + 1 or self.stage is None or self.stage.shape[0] != b:
+            if self.trace is not None:
+                self.trace.reset()
             self._prompt_len = length
             self.stage = torch.zeros(b, dtype=torch.long, device=scores.device)
             self._start = torch.zeros(b, dtype=torch.long, device=scores.device)
@@ -324,7 +333,11 @@ class StagedLogitsProcessor(LogitsProcessor):
             field=a,
             input_ids=input_ids,
         )
-        return apply_gravity(scores, a, self.controller(ctx))
+        lam = self.controller(ctx)
+        out = apply_gravity(scores, a, lam)
+        if self.trace is not None:
+            self.trace.record(measure(scores, a, lam, pulled=out))
+        return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,27 +29,29 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ProfileError
+from .fields.lexical import expand_keywords
 
-__all__ = ["FieldOptions", "Phases", "Profile", "Thermostat", "load_profile"]
-
-
-def split_compound(word: str) -> list[str]:
-    """``binary_search`` is understood as its words, plus the phrase they form.
-
-    >>> split_compound("binary_search")
-    ['binary', 'search', 'binary search']
-    >>> split_compound("  orbit ")
-    ['orbit']
-    """
-    word = word.strip()
-    if "_" not in word:
-        return [word] if word else []
-    parts = [p for p in word.split("_") if p]
-    return [*parts, " ".join(parts)] if len(parts) > 1 else parts
+__all__ = ["FieldOptions", "Phases", "Profile", "StageSpec", "Thermostat", "load_profile"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, v: Any) -> Any:
+        # Lax validation reads `true` as 1; no profile key is a boolean, so a boolean is always a slip.
+        if isinstance(v, bool):
+            raise ValueError(f"{str(v).lower()} is a boolean, but no profile key takes one; write a number")
+        return v
+
+
+def _clean_words(v: list[str]) -> list[str]:
+    cleaned = [w.strip() for w in v]
+    empty = [i for i, w in enumerate(cleaned) if not w]
+    if empty:
+        raise ValueError(f"entries {empty} are empty; remove them or write the word")
+    return cleaned
 
 
 class Phases(_Strict):
@@ -136,6 +138,21 @@ class FieldOptions(_Strict):
     semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
 
 
+class StageSpec(_Strict):
+    """One hand-written stage of a plan: the words it should cover and its share of the token budget."""
+
+    name: str | None = Field(None, min_length=1, description="shown in traces; None = 'stage N'")
+    core_semantics: list[str] = Field(min_length=1, description="the words this stage pulls toward")
+    share: float | None = Field(
+        None, gt=0.0, le=1.0, description="fraction of max_new_tokens; None = an equal part of what is left"
+    )
+
+    @field_validator("core_semantics")
+    @classmethod
+    def _words(cls, v: list[str]) -> list[str]:
+        return _clean_words(v)
+
+
 class Profile(_Strict):
     """A narrative profile. Only ``core_semantics`` is required."""
 
@@ -152,22 +169,37 @@ class Profile(_Strict):
     thermostat: Thermostat = Field(default_factory=Thermostat)
     prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
     field: FieldOptions = Field(default_factory=FieldOptions)
+    stages: list[StageSpec] | None = Field(
+        None,
+        min_length=1,
+        description="hand-written plan stages; the pull follows the current stage (see narrative_gravity.plan)",
+    )
 
     @field_validator("core_semantics", "penalize")
     @classmethod
     def _words(cls, v: list[str]) -> list[str]:
-        cleaned = [w.strip() for w in v]
-        empty = [i for i, w in enumerate(cleaned) if not w]
-        if empty:
-            raise ValueError(f"entries {empty} are empty; remove them or write the word")
-        return cleaned
+        return _clean_words(v)
+
+    @model_validator(mode="after")
+    def _stage_shares(self) -> Profile:
+        if self.stages:
+            given = [s.share for s in self.stages if s.share is not None]
+            left_out = len(self.stages) - len(given)
+            if sum(given) > 1 + 1e-9:
+                raise ValueError(f"stage shares add up to {sum(given):g}, more than 1; lower them or leave some out")
+            if left_out and sum(given) >= 1 - 1e-9:
+                raise ValueError(
+                    f"the given stage shares use the whole budget and leave nothing for the {left_out} stage(s) "
+                    "without a share; lower them"
+                )
+        return self
 
     def keywords(self) -> list[str]:
         """Core words with compounds split (``binary_search`` → ``binary``, ``search``, ``binary search``)."""
-        return _dedupe(w for word in self.core_semantics for w in split_compound(word))
+        return expand_keywords(self.core_semantics)
 
     def penalized(self) -> list[str]:
-        return _dedupe(w for word in self.penalize for w in split_compound(word))
+        return expand_keywords(self.penalize)
 
     @classmethod
     def from_mapping(cls, data: Any, *, source: str = "profile") -> Profile:
@@ -205,13 +237,6 @@ class Profile(_Strict):
             "decay_after_steps": self.decay_after_steps,
             "decay_half_life": self.decay_half_life,
         }
-
-
-def _dedupe(words: Any) -> list[str]:
-    seen: dict[str, None] = {}
-    for w in words:
-        seen.setdefault(w, None)
-    return list(seen)
 
 
 _FIXES = {

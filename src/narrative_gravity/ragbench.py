@@ -56,8 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from .context import STOPWORDS, content_words, stem, words
 from .errors import ModelNotFoundError
+from .text import STOPWORDS, content_words, stem, words
 
 __all__ = [
     "DATA_INSTALL",

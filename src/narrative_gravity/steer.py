@@ -10,6 +10,8 @@ ThermostatController(max_strength=8.0)
 from __future__ import annotations
 
 import json
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 from .control import ConstantController, PhaseScheduleController, StrengthController, ThermostatController
@@ -20,11 +22,10 @@ from .thermo import Trace
 
 __all__ = ["controller_from_profile", "field_from_profile", "processor_from_profile"]
 
-_FIELD_CACHE: dict[tuple[str, int, int, int], NarrativeField] = {}
-
-
-def _tokenizer_key(tokenizer: Any) -> int:
-    return id(tokenizer)
+# Most recently used last. Entries hold the tokenizer (and a weak reference to the model) they were built for: an ``id`` alone can be
+# reused by a new object once the old one is gone.
+_FIELD_CACHE: OrderedDict[tuple[str, int, int, int], tuple[Any, Any, NarrativeField]] = OrderedDict()
+FIELD_CACHE_SIZE = 32
 
 
 def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -> NarrativeField:
@@ -47,12 +48,17 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
         sort_keys=True,
     )
     model_key = id(model) if semantic and opts.semantic_source == "lm" else 0
-    key = (spec, _tokenizer_key(tokenizer), len(tokenizer), model_key)
-    cached = _FIELD_CACHE.get(key)
-    if cached is None:
-        cached = _build_field(profile, tokenizer, model)
-        _FIELD_CACHE[key] = cached
-    return cached
+    key = (spec, id(tokenizer), len(tokenizer), model_key)
+    hit = _FIELD_CACHE.get(key)
+    if hit is not None and hit[0] is tokenizer and (model_key == 0 or hit[1]() is model):
+        _FIELD_CACHE.move_to_end(key)
+        return hit[2]
+    built = _build_field(profile, tokenizer, model)
+    # The model is held weakly: the cache must not keep a generator in memory.
+    _FIELD_CACHE[key] = (tokenizer, weakref.ref(model) if model_key else None, built)
+    while len(_FIELD_CACHE) > FIELD_CACHE_SIZE:
+        _FIELD_CACHE.popitem(last=False)
+    return built
 
 
 def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField:
@@ -128,13 +134,35 @@ def processor_from_profile(
     measure_only: bool = False,
     model: Any = None,
 ) -> Any:
-    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``.
+    """A logits processor for ``model.generate``.
 
-    ``model`` is needed only for a semantic field built from the generator's own embeddings.
+    A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` on the profile's field; for a
+    profile with ``stages``, a :class:`~narrative_gravity.plan.StagedLogitsProcessor` that pulls toward the
+    current stage (it needs ``max_new_tokens``, which the shares divide). ``measure_only`` always measures
+    against the profile's own field. ``model`` is needed only for a semantic field built from the
+    generator's own embeddings.
     """
     from .engines.hf import NarrativeGravityLogitsProcessor
 
     field = field_from_profile(profile, tokenizer, model=model)
+    if profile.stages and not measure_only:
+        from .plan import StagedLogitsProcessor
+
+        if max_new_tokens is None:
+            raise ConfigurationError(
+                "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
+            )
+        if profile.prune_threshold is not None:
+            raise ConfigurationError(
+                "`prune_threshold` is not supported together with `stages`; remove one of them from the profile"
+            )
+        return StagedLogitsProcessor.from_stages(
+            tokenizer,
+            [s.model_dump(exclude_none=True) for s in profile.stages],
+            controller=controller_from_profile(profile),
+            max_new_tokens=max_new_tokens,
+            trace=trace,
+        )
     return NarrativeGravityLogitsProcessor(
         field,
         controller_from_profile(profile, field=field),

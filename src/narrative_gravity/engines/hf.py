@@ -91,6 +91,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         """Forget per-generation state (called automatically when a new generation starts)."""
         self._prompt_len: int | None = None
         self._last_len: int | None = None
+        self._prompt: torch.Tensor | None = None
         self._first_nan_step: torch.Tensor | None = None
         if self.trace is not None:
             self.trace.reset()
@@ -106,9 +107,24 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             self._support = fitted.support() if sparse_ok else None
         return self._fitted[1]
 
+    def _continues(self, input_ids: torch.Tensor) -> bool:
+        """Whether ``input_ids`` is the previous call's input plus one token (else a new generation starts).
+
+        Length and batch size are free to compare. On the CPU the prompt is compared too (no device to wait
+        for), so a reused processor resets even when the new prompt is exactly one token longer. On an
+        accelerator, call :meth:`reset` between generations that could look like one continuing.
+        """
+        prompt = self._prompt
+        if prompt is None or input_ids.shape[-1] != self._last_len + 1 or input_ids.shape[0] != prompt.shape[0]:
+            return False
+        if input_ids.device.type == "cpu":  # the prompt part, which beam search never reorders across prompts
+            return bool(torch.equal(input_ids[:, : prompt.shape[-1]], prompt))
+        return True
+
     def _start(self, input_ids: torch.Tensor, vocab: int) -> None:
         self.reset()
         self._prompt_len = input_ids.shape[-1]
+        self._prompt = input_ids
         # One check per generation (not per step): prompt ids must index the vocabulary.
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
         if bad.numel():
@@ -151,7 +167,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 f"and {tuple(scores.shape)}"
             )
         length = input_ids.shape[-1]
-        if self._last_len is None or length != self._last_len + 1:
+        if not self._continues(input_ids):
             self._start(input_ids, scores.shape[-1])
         self._last_len = length
         step = length - self._prompt_len

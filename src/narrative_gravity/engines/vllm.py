@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..control import ConstantController, PhaseScheduleController
-from ..core import apply_gravity, prune_mask
+from ..core import apply_gravity, apply_gravity_on_support, prune_mask
 from ..errors import ProfileError
 from ..fields import NarrativeField
 from ..profile import Profile
@@ -127,6 +127,11 @@ def _parse_profile(key: str) -> Profile:
             f"{_SOURCE}: `schedule` (got 'thermostat') is not supported by the vLLM processor yet: the thermostat "
             "controller works on one decoding step per batch, and vLLM batches rows at different steps; use "
             "'phases' or 'constant'"
+        )
+    if profile.stages:
+        raise ProfileError(
+            f"{_SOURCE}: `stages` is not supported by the vLLM processor yet (stage tracking runs in the "
+            "transformers processor); remove `stages`, or generate with transformers"
         )
     if profile.field.mode in ("semantic", "hybrid") and profile.field.semantic_source == "lm":
         raise ProfileError(
@@ -591,6 +596,8 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         # CPUs those run one parallel region per row and stall for whole time slices on a busy machine.
         width = logits.shape[-1]
         lay = s.layout
+        if lay.single is not None and not lay.prune:  # one profile, no pruning: touch the field's support only
+            return self._pull_on_support(logits, s, self.fields.fitted(lay.single, width))
         if lay.single is not None:  # one profile for every gravity row: the field as the HF processor uses it
             field = self.fields.fitted(lay.single, width)
             a = field.for_step(s.tails[:, -field.max_prefix_len :]) if lay.width else field.values  # [R, V] or [V]
@@ -615,6 +622,22 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
                 m_all = torch.zeros_like(logits, dtype=torch.bool).index_copy_(0, s.rows, mask)
             return apply_gravity(logits, a_all, lam_all, m_all)
         pulled = apply_gravity(logits[s.rows], a, lam, mask)
+        return logits.index_copy_(0, s.rows, pulled)
+
+    def _pull_on_support(self, logits: torch.Tensor, s: _Step, field: NarrativeField) -> torch.Tensor:
+        """:meth:`_pull` for one profile without pruning: the field gathered on its support, ``[R, S]``."""
+        tails = s.tails[:, -field.max_prefix_len :] if field.has_continuations else s.tails  # None: no table
+        support, a_s = field.on_support(tails)  # [S], and [R, S] with continuations else [S]
+        params = self._params_dev[s.slots]
+        lam = (params[:, _BASE] * phase_scale(s.steps, params)).to(logits.dtype)
+        if s.full:
+            return apply_gravity_on_support(logits, support, a_s, lam)
+        if self.strategy == "mask":
+            a_all = torch.zeros(logits.shape[0], support.shape[0], dtype=a_s.dtype, device=a_s.device)
+            a_all.index_copy_(0, s.rows, a_s.expand(len(s.rows), -1))
+            lam_all = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device).index_copy_(0, s.rows, lam)
+            return apply_gravity_on_support(logits, support, a_all, lam_all)
+        pulled = apply_gravity_on_support(logits[s.rows], support, a_s, lam)
         return logits.index_copy_(0, s.rows, pulled)
 
 

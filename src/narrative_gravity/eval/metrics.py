@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..metrics import _is_cjk, token_field_values
+from ..metrics import is_cjk, token_field_values
 
 __all__ = [
     "METRICS",
@@ -215,7 +215,7 @@ def compute_metrics(
 
 
 def _word_pattern(word: str) -> re.Pattern[str]:
-    if _is_cjk(word):
+    if is_cjk(word):
         return re.compile(re.escape(word))
     return re.compile(rf"(?<!\w){re.escape(word)}(?!\w)", flags=re.IGNORECASE)
 

@@ -14,6 +14,10 @@ word list deterministically: after stripping each line and dropping blank ones, 
 also appears in the conditioning half (case-insensitively) is dropped, so no scoring word is ever given to
 the profile.
 
+``topics-tune`` is the tuning split, for choosing settings without touching the held-out half: the same
+prompts, but the *conditioning* half is split again the same way (its even positions condition, its odd
+positions score). The held-out half of ``topics`` appears nowhere in it.
+
 >>> split_wordlist(["planet ", "galaxy", "", "orbit", "Planet", "moon"])
 (('planet', 'orbit', 'moon'), ('galaxy',))
 """
@@ -31,6 +35,7 @@ from ..errors import ConfigurationError
 __all__ = [
     "BENCH_ENV",
     "TOPICS",
+    "TOPICS_TUNE",
     "EvalPrompt",
     "find_topics_folder",
     "limit_prompts",
@@ -40,6 +45,7 @@ __all__ = [
 ]
 
 TOPICS = "topics"
+TOPICS_TUNE = "topics-tune"
 BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
 
 
@@ -104,8 +110,11 @@ def find_topics_folder() -> Path:
     )
 
 
-def load_topics(folder: str | os.PathLike[str] | None = None) -> list[EvalPrompt]:
-    """The PPLM/FUDGE protocol: every prefix × every topic (topics sorted by name, prefixes in file order)."""
+def load_topics(folder: str | os.PathLike[str] | None = None, *, tuning: bool = False) -> list[EvalPrompt]:
+    """The PPLM/FUDGE protocol: every prefix × every topic (topics sorted by name, prefixes in file order).
+
+    ``tuning=True`` gives the tuning split (see the module doc): the conditioning half split in two again.
+    """
     root = Path(folder) if folder is not None else find_topics_folder()
     prefixes = [p.strip() for p in (root / "prefixes.txt").read_text(encoding="utf-8").splitlines()]
     prefixes = [p for p in prefixes if p]
@@ -115,6 +124,8 @@ def load_topics(folder: str | os.PathLike[str] | None = None) -> list[EvalPrompt
     out: list[EvalPrompt] = []
     for path in lists:
         cond, held = split_wordlist(path.read_text(encoding="utf-8").splitlines())
+        if tuning:
+            cond, held = split_wordlist(list(cond))
         if not cond or not held:
             raise ConfigurationError(f"{path}: needs at least two words (one to condition on, one held out)")
         for prefix in prefixes:
@@ -132,8 +143,8 @@ def _words(value: object, where: str, key: str) -> tuple[str, ...]:
 
 def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
     """Load ``topics``, a ``.jsonl`` file (see the module doc) or a text file with one prompt per line."""
-    if str(source) == TOPICS:
-        return load_topics()
+    if str(source) in (TOPICS, TOPICS_TUNE):
+        return load_topics(tuning=str(source) == TOPICS_TUNE)
     path = Path(source)
     if not path.is_file():
         raise ConfigurationError(f"prompt file {str(path)!r} does not exist; pass a .txt or .jsonl file, or `topics`")

@@ -32,7 +32,7 @@ from ..errors import ConfigurationError, NarrativeGravityError
 from ..profile import Profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
-from .prompts import TOPICS, EvalPrompt, limit_prompts, load_prompts
+from .prompts import TOPICS, TOPICS_TUNE, EvalPrompt, limit_prompts, load_prompts
 
 __all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "run_eval"]
 
@@ -82,7 +82,7 @@ class EvalSettings:
 
     @property
     def raw_mode(self) -> bool:
-        return self.raw if self.raw is not None else self.prompts == TOPICS
+        return self.raw if self.raw is not None else self.prompts in (TOPICS, TOPICS_TUNE)
 
     @property
     def judge_on(self) -> bool:
@@ -170,7 +170,9 @@ class ResultStore:
 @dataclass(frozen=True)
 class _Arm:
     name: str
-    profile: Profile | None  # None: built per topic (auto)
+    profile: Profile | None  # None: built per topic from the prompt's topic words (auto and baselines)
+    template: Profile | None = None  # auto:FILE: the profile the per-topic profiles start from
+    baseline: tuple[str, float] | None = None  # ("article", λ) or ("weighted", λ): a reference processor
 
 
 @dataclass(frozen=True)
@@ -185,18 +187,20 @@ class _Plan:
     arms: dict[str, _Arm]
     chunks: list[_Chunk]
     auto_template: Profile | None = None
-    _auto: dict[tuple[str, ...], Profile] = field(default_factory=dict)
+    _auto: dict[tuple[str, ...], Profile] = field(default_factory=dict)  # (arm or "auto", *topic words)
 
     def profile_for(self, arm: str, prompt: EvalPrompt) -> Profile:
         a = self.arms[arm]
         if a.profile is not None:
             return a.profile
         words = prompt.topic_words
-        if words not in self._auto:
-            base = self.auto_template.model_dump() if self.auto_template is not None else dict(AUTO_DEFAULTS)
+        template = a.template if a.template is not None else self.auto_template
+        key = (a.name if a.template is not None else AUTO, *words)
+        if key not in self._auto:
+            base = template.model_dump(exclude_none=True) if template is not None else dict(AUTO_DEFAULTS)
             base.update(core_semantics=list(words), name=prompt.topic_name or AUTO, penalize=base.get("penalize", []))
-            self._auto[words] = Profile.from_mapping(base, source="auto profile")
-        return self._auto[words]
+            self._auto[key] = Profile.from_mapping(base, source="auto profile")
+        return self._auto[key]
 
     def keys(self, seeds: Sequence[int]) -> list[tuple[str, int, int]]:
         out = []
@@ -207,13 +211,39 @@ class _Plan:
         return out
 
 
+ARTICLE_STRENGTH = 1.2  # the blog post's configuration
+
+
+def _baseline(spec: str) -> _Arm | None:
+    """``article`` or ``weighted:λ`` as an arm, else ``None``."""
+    if spec == "article":
+        return _Arm("article", None, baseline=("article", ARTICLE_STRENGTH))
+    if spec.startswith("weighted:"):
+        raw = spec.split(":", 1)[1]
+        try:
+            lam = float(raw)
+        except ValueError:
+            lam = float("nan")
+        if not lam == lam or lam < 0:  # NaN or negative
+            raise ConfigurationError(f"--profile {spec!r}: weighted:λ needs a number >= 0, e.g. weighted:4")
+        return _Arm(f"weighted-{raw}", None, baseline=("weighted", lam))
+    return None
+
+
 def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
+    """Arms from ``--profile`` specs: a profile file, ``auto``, ``auto:TEMPLATE_FILE``, ``article``, ``weighted:λ``."""
     from ..profile import load_profile
 
     arms: dict[str, _Arm] = {}
     for spec in specs:
         if spec == AUTO:
             arm = _Arm(AUTO, None)
+        elif (base := _baseline(spec)) is not None:
+            arm = base
+        elif spec.startswith(AUTO + ":"):
+            path = spec.split(":", 1)[1]
+            template = load_profile(path)
+            arm = _Arm(template.name or Path(path).stem, None, template=template)
         else:
             prof = load_profile(spec)
             arm = _Arm(prof.name or Path(spec).stem, prof)
@@ -232,12 +262,13 @@ def make_plan(settings: EvalSettings, prompts: Sequence[EvalPrompt] | None = Non
     items = limit_prompts(prompts if prompts is not None else load_prompts(settings.prompts), settings.limit_prompts)
     arms = _load_arms(settings.profiles)
     template = load_profile(settings.auto_template) if settings.auto_template else None
-    if AUTO in arms:
+    per_topic = [name for name, a in arms.items() if a.profile is None]
+    if per_topic:
         missing = [p.index for p in items if not p.topic_words]
         if missing:
             raise ConfigurationError(
-                f"--profile auto builds a profile from each prompt's topic words, but prompts {missing[:10]} have "
-                "none; use --prompts topics, or JSONL prompts with a `topic` list"
+                f"--profile {per_topic[0]} builds its pull from each prompt's topic words, but prompts "
+                f"{missing[:10]} have none; use --prompts topics, or JSONL prompts with a `topic` list"
             )
     plan = _Plan({p.index: p for p in items}, arms, [], template)
     groups: dict[str, list[int]] = {}
@@ -374,7 +405,7 @@ class _Runner:
     def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
         import torch
 
-        from ..generation import SamplingOptions, _eos_ids, _left_pad, _length, encode_prompts
+        from ..generation import SamplingOptions, encode_prompts, eos_token_ids, generated_length, left_pad
         from ..thermo import Trace
 
         options = SamplingOptions(
@@ -382,10 +413,10 @@ class _Runner:
         )
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
         pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        ids, mask = _left_pad(encoded, pad_id)
+        ids, mask = left_pad(encoded, pad_id)
         device = next(self.model.parameters()).device
         clock = _FirstStepClock()
-        trace = processor.trace if processor is not None else None
+        trace = getattr(processor, "trace", None)  # the reference baselines keep none
         procs = [clock] if processor is None else [clock, processor]
         torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -400,8 +431,8 @@ class _Runner:
         elapsed = time.perf_counter() - t0
         ttft = (clock.t - t0) if clock.t is not None else float("nan")
         gen = out[:, ids.shape[1] :].cpu().tolist()
-        eos = _eos_ids(self.model, self.tok)
-        lengths = [_length(row, eos) for row in gen]
+        eos = eos_token_ids(self.model, self.tok)
+        lengths = [generated_length(row, eos) for row in gen]
         traces = trace.to_numpy() if isinstance(trace, Trace) and len(trace) else None
         means = trace.means(lengths) if isinstance(trace, Trace) and len(trace) else None
         results = []
@@ -449,6 +480,14 @@ class _Runner:
         from ..steer import processor_from_profile
         from ..thermo import Trace
 
+        base = self.plan.arms[arm].baseline if arm != CONTROL else None
+        if base is not None:
+            from ..baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
+
+            kind, lam = base
+            if kind == "article":
+                return ArticleGravityLogitsProcessor(self.tok, prompt.topic_words, gravity_strength=lam)
+            return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
         if arm != CONTROL:
             return processor_from_profile(
                 self.plan.profile_for(arm, prompt),

@@ -716,7 +716,13 @@ def serve(
     from .backend import make_backend
 
     profile_store = ProfileStore(store)
-    backend = make_backend(engine, model, device=device)
+    options: dict[str, Any] = {}
+    if engine == "vllm":  # vLLM batches up to the scheduler's batch size and fits the longest allowed request
+        options = {
+            "max_num_seqs": config.max_batch_size,
+            "max_model_len": config.max_prompt_tokens + config.max_tokens_limit,
+        }
+    backend = make_backend(engine, model, device=device, **options)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(backend, config=config, store=profile_store)
     if not config.is_loopback and config.api_key is None:

@@ -2,8 +2,8 @@
 
 A backend turns text into token ids and back, prepares a profile's field ahead of time, and runs a *batch* of
 rows in one blocking call, reporting every decoding step's new token ids through a callback. The embedded
-transformers backend is :class:`~narrative_gravity.server.hf.HFBackend`; a vLLM backend plugs in by
-implementing :class:`Backend` and adding a branch to :func:`make_backend`.
+transformers backend is :class:`~narrative_gravity.server.hf.HFBackend`; the vLLM backend is
+:class:`~narrative_gravity.server.vllm.VLLMBackend`.
 
 >>> Sampling(temperature=0.0).greedy
 True
@@ -11,7 +11,6 @@ True
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -91,8 +90,9 @@ class GenerationRow(Protocol):
     cancelled: bool
 
 
-TokenCallback = Callable[[list[int]], None]
-"""Called from the generating thread once per decoding step with one new token id per row, in row order."""
+TokenCallback = Callable[[list[int | None]], None]
+"""Called from the generating thread once per decoding step with one new token id per row, in row order;
+``None`` for a row that produced no token in that step (an engine that schedules rows unevenly, like vLLM)."""
 
 
 @runtime_checkable
@@ -132,20 +132,20 @@ class Backend(Protocol):
         ...
 
 
-def make_backend(engine: str, model: str | None = None, *, device: str = "cpu") -> Backend:
-    """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (not wired in yet)."""
+def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", **options: Any) -> Backend:
+    """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (an in-process vLLM engine).
+
+    ``options`` go to :meth:`VLLMBackend.load <narrative_gravity.server.vllm.VLLMBackend.load>` (``max_num_seqs``,
+    ``max_model_len``, ``kv_cache_mb``); the transformers engine takes none.
+    """
     if engine == "hf":
         from .hf import HFBackend
 
+        if options:
+            raise ConfigurationError(f"options {sorted(options)} apply to --engine vllm only")
         return HFBackend.load(model, device=device)
     if engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigurationError(
-                "engine 'vllm' is not available yet: install narrative-gravity[vllm] "
-                "(pip install 'narrative-gravity[vllm]', Linux with a CUDA GPU), or use --engine hf"
-            )
-        raise ConfigurationError(
-            "engine 'vllm' is not available yet: vLLM is installed, but the server's vLLM backend is not written; "
-            "use --engine hf for now"
-        )
+        from .vllm import VLLMBackend
+
+        return VLLMBackend.load(model, device=device, **options)
     raise ConfigurationError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")

@@ -34,7 +34,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import ConfigurationError, VocabularyError
-from ..generation import _eos_ids, _left_pad
+from ..generation import eos_token_ids, left_pad
 from ..profile import Profile
 from ..steer import field_from_profile, processor_from_profile
 from ..thermo import Trace
@@ -171,7 +171,7 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
             raise ConfigurationError("the tokenizer has neither a pad nor an end-of-sequence token; set one")
-        self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
         positions = getattr(model.config, "max_position_embeddings", None)
         self.max_context = int(max_context or positions or 2048)
         self.vocab_size = int(getattr(model.config, "vocab_size", None) or len(tokenizer))
@@ -218,7 +218,7 @@ class HFBackend:
     def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
         if not rows:
             return []
-        ids, mask = _left_pad([r.prompt_ids for r in rows], self.pad_id)
+        ids, mask = left_pad([r.prompt_ids for r in rows], self.pad_id)
         width = ids.shape[1]
         groups: dict[tuple[str, int], list[int]] = {}
         for i, row in enumerate(rows):

@@ -202,7 +202,7 @@ class BatchScheduler:
             row.job.deliver(row.index, "end", s)
 
     @staticmethod
-    def _deliver_tokens(rows: list[Row], tokens: list[int]) -> None:
+    def _deliver_tokens(rows: list[Row], tokens: list[int | None]) -> None:
         for row, token in zip(rows, tokens):
-            if not row.cancelled:
+            if token is not None and not row.cancelled:
                 row.job.deliver(row.index, "token", token)
