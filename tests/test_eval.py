@@ -260,6 +260,20 @@ def test_topics_prompt_set_from_the_bench_env(tmp_path, monkeypatch):
     assert [p.index for p in limit_prompts(ps, 2)] == [0, 2]  # one per topic
 
 
+def test_tuning_split_never_touches_the_held_out_half(tmp_path, monkeypatch):
+    bench = _bench(tmp_path)
+    (bench / "topics" / "wordlists" / "legal.txt").write_text("law\ncourt\njudge\njury\nverdict\nappeal\n")
+    monkeypatch.setenv("NARRATIVE_GRAVITY_BENCH", str(bench))
+    full = {p.topic_name: p for p in load_prompts("topics")}
+    tune = {p.topic_name: p for p in load_prompts("topics-tune")}
+    assert full["legal"].topic_words == ("law", "judge", "verdict")
+    assert tune["legal"].topic_words == ("law", "verdict") and tune["legal"].heldout_words == ("judge",)
+    for name, p in tune.items():
+        used = set(p.topic_words) | set(p.heldout_words)
+        assert used <= set(full[name].topic_words) and not used & set(full[name].heldout_words)
+    assert EvalSettings(prompts="topics-tune", profiles=("auto",)).raw_mode
+
+
 def test_topics_prompt_set_missing_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("NARRATIVE_GRAVITY_BENCH", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigurationError, match="NARRATIVE_GRAVITY_BENCH"):
@@ -386,6 +400,32 @@ def test_auto_profiles_and_jsonl_profile_names(tiny_model, tmp_path, space_profi
     f.write_text(json.dumps({"prompt": "x", "profile": "spaec"}) + "\n")
     with pytest.raises(ConfigurationError, match="did you mean 'space'"):
         run_eval(_settings(f, [space_profile]), tmp_path / "x", model=model, tokenizer=tok, progress=False)
+
+
+def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_path):
+    model, tok = tiny_model
+    f = _write(
+        tmp_path / "p.jsonl",
+        json.dumps({"prompt": "The crew", "topic": ["planet", "orbit"], "heldout": ["galaxy"], "topic_name": "space"})
+        + "\n",
+    )
+    template = _write(tmp_path / "strong.yaml", "name: strong\ncore_semantics: [x]\nschedule: constant\n"
+                      "gravity_strength: 9.0\n")  # fmt: skip
+    out = tmp_path / "arms"
+    specs = ["article", "weighted:4", f"auto:{template}", "auto"]
+    run_eval(_settings(f, specs, seeds=(0,)), out, model=model, tokenizer=tok, progress=False, write_report=False)
+    rows = {r["profile"]: r for r in ResultStore(out / "results.jsonl").load()}
+    assert set(rows) == {"control", "article", "weighted-4", "strong", "auto"}
+    manifest = json.loads((out / "run.json").read_text())
+    strong = manifest["profiles"]["strong"]["per_topic"]["space"]
+    assert strong["gravity_strength"] == 9.0 and strong["core_semantics"] == ["planet", "orbit"]
+    auto = manifest["profiles"]["auto"]["per_topic"]["space"]
+    assert auto["schedule"] == "thermostat" and auto["field"]["mode"] == "semantic"
+    assert rows["strong"]["metrics"]["mean_strength"] == 9.0
+    assert rows["weighted-4"]["trace"] is None and rows["article"]["trace"] is None
+    for bad in ("weighted:x", "weighted:-1"):
+        with pytest.raises(ConfigurationError, match="weighted:λ needs a number"):
+            run_eval(_settings(f, [bad]), tmp_path / "bad", model=model, tokenizer=tok, progress=False)
 
 
 def test_run_refuses_to_mix_runs(tiny_model, tmp_path, space_profile):

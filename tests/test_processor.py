@@ -524,3 +524,25 @@ def test_row_with_both_infinities_is_not_mistaken_for_nan():
     scores = torch.tensor([[float("inf"), float("-inf"), 0.0]])
     out = proc(torch.tensor([[1]]), scores)
     assert torch.isposinf(out[0, 0]) and torch.isneginf(out[0, 1])
+
+
+def test_thermostat_trace_reuses_the_controllers_softmax_and_matches_measure() -> None:
+    from narrative_gravity.control import ThermostatController
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.zeros(50)
+    values[:6] = torch.linspace(0.2, 1.0, 6)
+    values[10] = -0.5
+    field = NarrativeField(values=values)
+    ctl, trace = ThermostatController(6.0), Trace()
+    proc = NarrativeGravityLogitsProcessor(field, ctl, max_new_tokens=10, trace=trace)
+    ids = torch.randint(0, 50, (3, 4), generator=g)
+    logits = torch.randn(3, 50, generator=g) * 2
+    logits[:, :6] -= 4.0  # little mass on the narrative: the thermostat has to pull
+    logits[1, 20:] = NEG_INF
+    proc(ids, logits)
+    assert ctl.last_problem.logits is logits  # the thermometer's input came from the controller
+    lam = trace.tensor()[:, 0, 4]
+    assert (lam > 0).any()
+    reference = measure(logits, values, lam).stack()
+    torch.testing.assert_close(trace.tensor()[:, 0], reference, rtol=1e-4, atol=1e-5)

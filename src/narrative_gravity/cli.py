@@ -121,7 +121,7 @@ def generate(
     def factory(budget: int, tr: Any) -> Any:
         if prof is None:
             return None
-        return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity)
+        return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     with Progress(
@@ -216,8 +216,11 @@ def inspect(
     from .steer import field_from_profile
 
     prof = _run_guarded(lambda: load_profile(profile))
-    tok = _run_guarded(lambda: load_tokenizer(model))
-    field = _run_guarded(lambda: field_from_profile(prof, tok))
+    if prof.field.mode != "lexical" and prof.field.semantic_source == "lm":  # the field reads the LM's embeddings
+        lm, tok = _load(model)
+    else:
+        lm, tok = None, _run_guarded(lambda: load_tokenizer(model))
+    field = _run_guarded(lambda: field_from_profile(prof, tok, model=lm))
     table = Table(title=f"{prof.name}: {field.report.n_used} words used, {field.report.n_unusable} unusable")
     table.add_column("word")
     table.add_column("surface forms (token pieces)")

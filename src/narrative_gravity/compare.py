@@ -62,7 +62,7 @@ def compare_runs(
     progress: Any = None,
 ) -> list[ComparisonRow]:
     """Generate control and gravity for seeds ``0..seeds-1`` and measure both."""
-    field = field_from_profile(profile, tokenizer)
+    field = field_from_profile(profile, tokenizer, model=model)  # model: for fields from the LM's embeddings
     prompt_ids = encode_prompts(tokenizer, [prompt], raw=raw)[0]
     rows = []
     for seed in range(seeds):
@@ -72,7 +72,7 @@ def compare_runs(
 
             def factory(budget: int, trace: Any, _mode: str = mode) -> Any:
                 return processor_from_profile(
-                    profile, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control"
+                    profile, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control", model=model
                 )
 
             (res,) = generate(

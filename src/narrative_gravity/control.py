@@ -208,8 +208,10 @@ class _MassProblem:
     """
 
     def __init__(self, logits: torch.Tensor, field: torch.Tensor, idx: torch.Tensor | None) -> None:
+        self.logits = logits  # which step this is (the processor reuses `p` and `entropy` for its trace)
         logp = torch.log_softmax(logits.float(), dim=-1)  # NaN rows where every logit is -inf
         p = logp.exp()
+        self.p = p
         self.entropy = -(p * logp).nansum(dim=-1)  # 0·log 0 = NaN is skipped
         a = field.to(device=logp.device, dtype=torch.float32)
         pos = (a > 0).float()
@@ -364,8 +366,8 @@ class ThermostatController(_BaseStrength):
     >>> logits = torch.zeros(1, 100)  # flat: maximal entropy, full target
     >>> field = torch.zeros(100); field[:2] = 1.0  # mass 0.02 before the pull
     >>> ctx = StepContext(step=50, max_new_tokens=100, batch_size=1, logits=logits, field=field)
-    >>> round(c.target(ctx).item(), 3), round(c(ctx).item(), 2)  # converge target 0.1: e^λ = 0.1/0.9 · 98/2
-    (0.1, 1.69)
+    >>> round(c.target(ctx).item(), 3), round(c(ctx).item(), 2)  # converge target 0.2: e^λ = 0.2/0.8 · 98/2
+    (0.2, 2.51)
     >>> confident = logits.clone(); confident[0, 50] = 30.0
     >>> c(StepContext(step=50, max_new_tokens=100, batch_size=1, logits=confident, field=field)).item()
     0.0
@@ -379,9 +381,9 @@ class ThermostatController(_BaseStrength):
         *,
         explore_until: float = 0.2,
         strict_from: float = 0.8,
-        explore_target: float = 0.03,
-        converge_target: float = 0.1,
-        strict_target: float = 0.2,
+        explore_target: float = 0.05,
+        converge_target: float = 0.2,
+        strict_target: float = 0.35,
         explore_steps: int = 8,
         drift_window: int = 8,
         drift_gain: float = 0.15,
@@ -546,6 +548,7 @@ class ThermostatController(_BaseStrength):
 
     def __call__(self, ctx: StepContext) -> torch.Tensor:
         prob = self._problem(ctx)
+        self.last_problem = prob  # the step's softmax and entropy, for a thermometer that runs next
         target = self._target(ctx, prob)
         lam_max = self.base(ctx.batch_size, ctx.logits.device)
         return solve_strength(ctx.logits, ctx.field, target, lam_max, iterations=self.iterations, _problem=prob)

@@ -51,7 +51,11 @@ def apply_gravity(
         A new ``[B, V]`` tensor. ``-inf`` entries stay ``-inf``.
     """
     lam = _as_row_strength(strength, logits)
-    out = logits + lam * field.to(logits.dtype)
+    field = field.to(logits.dtype)
+    # One fused pass over [B, V]: no temporary λ·a.
+    out = torch.add(logits, field, alpha=lam) if isinstance(lam, float) else torch.addcmul(logits, lam, field)
+    if out.shape != logits.shape:
+        raise ValueError(f"the field {tuple(field.shape)} does not broadcast to the logits {tuple(logits.shape)}")
     if mask is not None:
         finite = torch.isfinite(out)
         keeps_some = (finite & ~mask).any(dim=-1, keepdim=True)

@@ -76,7 +76,8 @@ class Phases(_Strict):
 class Thermostat(_Strict):
     """The thermostat schedule: per row and step, the smallest pull that reaches a target narrative mass.
 
-    See :class:`~narrative_gravity.control.ThermostatController` for the rule.
+    See :class:`~narrative_gravity.control.ThermostatController` for the rule. The target defaults were chosen
+    on the ``topics-tune`` split of the topic benchmark (docs/benchmarks.md), never on its held-out words.
     """
 
     max_strength: float | None = Field(
@@ -84,9 +85,9 @@ class Thermostat(_Strict):
     )
     explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
     strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
-    explore_target: float = Field(0.03, ge=0.0, le=1.0, description="target narrative mass while exploring")
-    converge_target: float = Field(0.1, ge=0.0, le=1.0, description="target narrative mass while converging")
-    strict_target: float = Field(0.2, ge=0.0, le=1.0, description="target narrative mass near the end")
+    explore_target: float = Field(0.05, ge=0.0, le=1.0, description="target narrative mass while exploring")
+    converge_target: float = Field(0.2, ge=0.0, le=1.0, description="target narrative mass while converging")
+    strict_target: float = Field(0.35, ge=0.0, le=1.0, description="target narrative mass near the end")
     drift_window: int = Field(8, ge=1, le=512, description="recent generated tokens checked for drift")
     drift_gain: float = Field(0.15, ge=0.0, le=1.0, description="target added when all recent tokens are off topic")
     drift_share: float = Field(
@@ -132,8 +133,8 @@ class FieldOptions(_Strict):
     semantic_topic: str | None = Field(
         None, min_length=1, description="a sentence describing the topic; None = the core_semantics words"
     )
-    semantic_top_k: int = Field(300, ge=1, le=20000, description="at most this many related tokens are pulled")
-    semantic_z_threshold: float = Field(3.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
+    semantic_top_k: int = Field(1000, ge=1, le=20000, description="at most this many related tokens are pulled")
+    semantic_z_threshold: float = Field(2.5, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
     semantic_min_value: float = Field(0.2, gt=0.0, le=1.0, description="field value of the weakest kept token")
     semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
 

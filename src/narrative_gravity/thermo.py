@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Measurement", "Trace", "measure", "measure_on_support", "narrative_mass"]
+__all__ = ["Measurement", "Trace", "measure", "measure_from_probs", "measure_on_support", "narrative_mass"]
 
 METRICS = ("entropy", "mass", "mass_after", "kl", "strength")
 
@@ -112,11 +112,26 @@ def measure_on_support(
     >>> bool(torch.allclose(dense.stack(), sparse.stack(), atol=1e-5))
     True
     """
-    logits = logits.float()
-    lam = _row_strength(strength)
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    entropy = -(p * logp).nansum(-1)
+    return measure_from_probs(p, -(p * logp).nansum(-1), support, field, strength, pruned=pruned)
+
+
+def measure_from_probs(
+    probs: torch.Tensor,
+    entropy: torch.Tensor,
+    support: torch.Tensor,
+    field: torch.Tensor,
+    strength: torch.Tensor,
+    pruned: torch.Tensor | None = None,
+) -> Measurement:
+    """:func:`measure_on_support` from the model's probabilities ``[B, V]`` and entropy ``[B]``, already computed.
+
+    A controller that read the distribution (the thermostat) hands its ``softmax`` over, so a step with the
+    thermometer on needs no second pass over the vocabulary.
+    """
+    p = probs
+    lam = _row_strength(strength)
     b = p.shape[0]
     p_s = p.gather(1, support[None].expand(b, -1))
     a_s = field.float()

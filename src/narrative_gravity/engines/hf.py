@@ -19,7 +19,7 @@ from ..control import ConstantController, StepContext, StrengthController
 from ..core import apply_gravity, apply_gravity_on_support, prune_mask
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..fields import NarrativeField
-from ..thermo import Trace, measure, measure_on_support
+from ..thermo import Measurement, Trace, measure, measure_from_probs, measure_on_support
 
 __all__ = ["NarrativeGravityLogitsProcessor"]
 
@@ -193,8 +193,17 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         lam = self.controller(ctx)
         out = apply_gravity(scores, a, lam, prune_mask(a, self.prune_threshold))
         if self.trace is not None:
-            self.trace.record(measure(scores, a, lam, pulled=out, support=self._support))
+            self.trace.record(self._measure(scores, a, lam, out))
         return out
+
+    def _measure(self, scores: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, out: torch.Tensor) -> Measurement:
+        # A controller that already took this step's softmax (the thermostat) saves the thermometer its pass.
+        prob = getattr(self.controller, "last_problem", None)
+        support = self._support
+        if prob is not None and prob.logits is scores and support is not None and self.prune_threshold is None:
+            a_s = a[support] if a.dim() == 1 else a.gather(1, support[None].expand(a.shape[0], -1))
+            return measure_from_probs(prob.p, prob.entropy, support, a_s, lam)
+        return measure(scores, a, lam, pulled=out, support=support)
 
     def _step_on_support(
         self, field: NarrativeField, input_ids: torch.Tensor, scores: torch.Tensor, step: int

@@ -42,8 +42,10 @@ RESULTS = "results.jsonl"
 FAILURES = "failures.jsonl"
 RUN_FILE = "run.json"
 TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
-# The profile `--profile auto` starts from; `core_semantics` is replaced by each topic's conditioning words.
-AUTO_DEFAULTS: dict[str, Any] = {"gravity_strength": 2.0, "schedule": "phases"}
+# The default topic profile, which `--profile auto` starts from; `core_semantics` is replaced by each topic's
+# conditioning words. A semantic field (MiniLM neighbours of the words) under the thermostat, with the profile
+# defaults otherwise: chosen on the `topics-tune` split (docs/benchmarks.md).
+AUTO_DEFAULTS: dict[str, Any] = {"schedule": "thermostat", "field": {"mode": "semantic"}}
 
 
 @dataclass(frozen=True)
