@@ -22,7 +22,7 @@ A breakdown of our processor's call into its parts (NaN check, field lookup, con
 printed as well, so an over-budget cost can be traced to an op.
 
 Run (the defaults, 5 rounds of about 1 minute plus warm-up, take an estimated 6 minutes on an idle 2-core
-machine; the results in bench/overhead_results.md come from 7 rounds)::
+machine; the results in docs/benchmarks.md come from 7 rounds)::
 
     python bench/overhead.py --rounds 7 --new-tokens 64 --batch-sizes 1 8 --json /tmp/overhead.json
 

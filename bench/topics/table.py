@@ -44,6 +44,11 @@ def load(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines() if line]
 
 
+def values(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """The metric ``key`` of every row where it is defined (an empty text has no Dist-n)."""
+    return [r["metrics"][key] for r in rows if r["metrics"].get(key) is not None]
+
+
 def step_seconds(rows: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
     """Seconds per decoding step of each (first prompt of the chunk, seed) batch."""
     chunks: dict[tuple[int, int, float], list[dict[str, Any]]] = defaultdict(list)
@@ -62,18 +67,18 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by[r["profile"]].append(r)
     plain = {(r["prompt_index"], r["seed"]): r for r in by["control"]}
     plain_steps = step_seconds(by["control"])
-    base_ppl = statistics.median(r["metrics"]["judge_ppl"] for r in by["control"] if r["metrics"].get("judge_ppl"))
-    base_d3 = statistics.mean(r["metrics"]["distinct_3"] for r in by["control"])
+    base_ppl = statistics.median(values(by["control"], "judge_ppl"))
+    base_d3 = statistics.mean(values(by["control"], "distinct_3"))
     out = []
     for arm in [a for a in ORDER if a in by] + sorted(set(by) - set(ORDER)):
         rs = sorted(by[arm], key=lambda r: (r["prompt_index"], r["seed"]))
         succ = np.array([r["metrics"]["topic_success"] for r in rs], dtype=float)
         _, lo, hi = bootstrap_ci(succ)
-        ppl = statistics.median(r["metrics"]["judge_ppl"] for r in rs if r["metrics"].get("judge_ppl"))
-        d = {n: statistics.mean(r["metrics"][f"distinct_{n}"] for r in rs) for n in (1, 2, 3)}
+        ppl = statistics.median(values(rs, "judge_ppl"))
+        d = {n: statistics.mean(values(rs, f"distinct_{n}")) for n in (1, 2, 3)}
         steps = step_seconds(rs)
         speed = [plain_steps[k] / v for k, v in steps.items() if k in plain_steps]
-        kls = [r["metrics"].get("mean_kl") for r in rs if r["metrics"].get("mean_kl") is not None]
+        kls = values(rs, "mean_kl")
         lam = [x for r in rs if r.get("trace") for x in r["trace"]["strength"]]
         out.append(
             {

@@ -176,15 +176,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self._sparse:
             return self._step_on_support(field, input_ids, scores, step)
         a = field.for_step(input_ids)
-        ctx = StepContext(
-            step=step,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=scores.shape[0],
-            device=scores.device,
-            logits=scores,
-            field=a,
-            input_ids=input_ids,
-        )
+        ctx = self._context(step, input_ids, scores, a)
         if self.measure_only:
             if self.trace is not None:
                 zero = torch.zeros(scores.shape[0], device=scores.device)
@@ -205,6 +197,19 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             return measure_from_probs(prob.p, prob.entropy, support, a_s, lam)
         return measure(scores, a, lam, pulled=out, support=support)
 
+    def _context(
+        self, step: int, input_ids: torch.Tensor, scores: torch.Tensor, field: torch.Tensor | None = None
+    ) -> StepContext:
+        return StepContext(
+            step=step,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=scores.shape[0],
+            device=scores.device,
+            logits=scores,
+            field=field,
+            input_ids=input_ids,
+        )
+
     def _step_on_support(
         self, field: NarrativeField, input_ids: torch.Tensor, scores: torch.Tensor, step: int
     ) -> torch.Tensor:
@@ -215,15 +220,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 zero = torch.zeros(scores.shape[0], device=scores.device)
                 self.trace.record(measure_on_support(scores, support, a_s, zero))
             return scores
-        ctx = StepContext(
-            step=step,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=scores.shape[0],
-            device=scores.device,
-            logits=scores,
-            input_ids=input_ids,
-        )
-        lam = self.controller(ctx)
+        lam = self.controller(self._context(step, input_ids, scores))
         out = apply_gravity_on_support(scores, support, a_s, lam)
         if self.trace is not None:
             self.trace.record(measure_on_support(scores, support, a_s, lam))

@@ -15,12 +15,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, VocabularyError
 
 if TYPE_CHECKING:
     from ..profile import Profile
 
-__all__ = ["ENGINES", "Backend", "GenerationRow", "ResolvedGravity", "RowStats", "Sampling", "make_backend"]
+__all__ = [
+    "ENGINES",
+    "Backend",
+    "GenerationRow",
+    "ResolvedGravity",
+    "RowStats",
+    "Sampling",
+    "TokenizerText",
+    "make_backend",
+]
 
 ENGINES = ("hf", "vllm")
 
@@ -130,6 +139,36 @@ class Backend(Protocol):
         A row stops at end-of-sequence, after ``max_tokens`` tokens, or soon after ``cancelled`` turns true.
         """
         ...
+
+
+class TokenizerText:
+    """The text half of :class:`Backend` for engines with a Hugging Face tokenizer.
+
+    Needs ``tokenizer``, ``model_id`` and ``vocab_size`` attributes.
+    """
+
+    tokenizer: Any
+    model_id: str
+    vocab_size: int
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigurationError(
+                f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
+            )
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if bad:
+            raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
 
 
 def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", **options: Any) -> Backend:

@@ -33,12 +33,12 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ..errors import ConfigurationError, VocabularyError
+from ..errors import ConfigurationError
 from ..generation import eos_token_ids, left_pad
 from ..profile import Profile
 from ..steer import field_from_profile, processor_from_profile
 from ..thermo import Trace
-from .backend import GenerationRow, RowStats, Sampling, TokenCallback
+from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText
 
 __all__ = [
     "GroupedGravityLogitsProcessor",
@@ -156,7 +156,7 @@ class StepStreamer(BaseStreamer):
         pass
 
 
-class HFBackend:
+class HFBackend(TokenizerText):
     """The embedded transformers engine on one model (see the module doc for how a batch is run)."""
 
     name = "hf"
@@ -184,27 +184,6 @@ class HFBackend:
 
         model, tokenizer = load_model(name, device=device)
         return cls(model, tokenizer, model_id=str(name) if name is not None else DEFAULT_MODEL)
-
-    # ------------------------------------------------------------------------------------------- text
-
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigurationError(
-                f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
-            )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def check_ids(self, ids: Sequence[int]) -> None:
-        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
-        if bad:
-            raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------------------------------- gravity
 

@@ -23,9 +23,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigurationError, VocabularyError
+from ..errors import ConfigurationError
 from ..profile import Profile
-from .backend import GenerationRow, RowStats, TokenCallback
+from .backend import GenerationRow, RowStats, TokenCallback, TokenizerText
 
 __all__ = ["VLLMBackend"]
 
@@ -35,7 +35,7 @@ PROCESSOR = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 _IDS = itertools.count()
 
 
-class VLLMBackend:
+class VLLMBackend(TokenizerText):
     """The server's engine on vLLM (see the module doc).
 
     Args:
@@ -93,27 +93,6 @@ class VLLMBackend:
             seed=0,
         )
         return cls(llm, model_id=str(name) if name is not None else DEFAULT_MODEL)
-
-    # ------------------------------------------------------------------------------------------- text
-
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigurationError(
-                f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
-            )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def check_ids(self, ids: Sequence[int]) -> None:
-        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
-        if bad:
-            raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------------------------------- gravity
 
