@@ -19,7 +19,7 @@ row with strength 0 elsewhere) and with every row pulled (``full``).
 Run (vLLM lives in its own venv: ``bash scripts/setup_vllm.sh``)::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python bench/vllm_throughput.py \\
-        --concurrency 1 8 32 --new-tokens 128 --rounds 5 --micro --kv-cache-mb 1024 --json bench/vllm_throughput.json
+        --concurrency 1 8 32 --new-tokens 128 --rounds 5 --micro --kv-cache-mb 1024 --json bench/results/vllm_throughput.json
 
 A quick smoke run::
 
