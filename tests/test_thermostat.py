@@ -241,7 +241,7 @@ def test_is_a_strength_controller() -> None:
 
 def test_default_targets() -> None:
     c = ThermostatController(drift_gain=0.0)
-    assert [c.target(flat_ctx(step=s)).item() for s in (0, 50, 90)] == pytest.approx([0.05, 0.2, 0.35])
+    assert [c.target(flat_ctx(step=s)).item() for s in (0, 50, 90)] == pytest.approx([0.08, 0.25, 0.4])
     d = ThermostatController()
     assert (d.drift_gain, d.drift_share, d.drift_window) == (0.15, 0.125, 8)
     assert (d.entropy_low, d.entropy_high, d.max_target) == (0.05, 0.25, 0.95)

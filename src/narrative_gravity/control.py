@@ -366,8 +366,8 @@ class ThermostatController(_BaseStrength):
     >>> logits = torch.zeros(1, 100)  # flat: maximal entropy, full target
     >>> field = torch.zeros(100); field[:2] = 1.0  # mass 0.02 before the pull
     >>> ctx = StepContext(step=50, max_new_tokens=100, batch_size=1, logits=logits, field=field)
-    >>> round(c.target(ctx).item(), 3), round(c(ctx).item(), 2)  # converge target 0.2: e^λ = 0.2/0.8 · 98/2
-    (0.2, 2.51)
+    >>> round(c.target(ctx).item(), 3), round(c(ctx).item(), 2)  # converge target 0.25: e^λ = 0.25/0.75 · 98/2
+    (0.25, 2.79)
     >>> confident = logits.clone(); confident[0, 50] = 30.0
     >>> c(StepContext(step=50, max_new_tokens=100, batch_size=1, logits=confident, field=field)).item()
     0.0
@@ -381,9 +381,9 @@ class ThermostatController(_BaseStrength):
         *,
         explore_until: float = 0.2,
         strict_from: float = 0.8,
-        explore_target: float = 0.05,
-        converge_target: float = 0.2,
-        strict_target: float = 0.35,
+        explore_target: float = 0.08,
+        converge_target: float = 0.25,
+        strict_target: float = 0.4,
         explore_steps: int = 8,
         drift_window: int = 8,
         drift_gain: float = 0.15,

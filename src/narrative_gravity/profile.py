@@ -85,9 +85,9 @@ class Thermostat(_Strict):
     )
     explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
     strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
-    explore_target: float = Field(0.05, ge=0.0, le=1.0, description="target narrative mass while exploring")
-    converge_target: float = Field(0.2, ge=0.0, le=1.0, description="target narrative mass while converging")
-    strict_target: float = Field(0.35, ge=0.0, le=1.0, description="target narrative mass near the end")
+    explore_target: float = Field(0.08, ge=0.0, le=1.0, description="target narrative mass while exploring")
+    converge_target: float = Field(0.25, ge=0.0, le=1.0, description="target narrative mass while converging")
+    strict_target: float = Field(0.4, ge=0.0, le=1.0, description="target narrative mass near the end")
     drift_window: int = Field(8, ge=1, le=512, description="recent generated tokens checked for drift")
     drift_gain: float = Field(0.15, ge=0.0, le=1.0, description="target added when all recent tokens are off topic")
     drift_share: float = Field(
@@ -133,8 +133,8 @@ class FieldOptions(_Strict):
     semantic_topic: str | None = Field(
         None, min_length=1, description="a sentence describing the topic; None = the core_semantics words"
     )
-    semantic_top_k: int = Field(1000, ge=1, le=20000, description="at most this many related tokens are pulled")
-    semantic_z_threshold: float = Field(2.5, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
+    semantic_top_k: int = Field(2000, ge=1, le=20000, description="at most this many related tokens are pulled")
+    semantic_z_threshold: float = Field(2.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
     semantic_min_value: float = Field(0.2, gt=0.0, le=1.0, description="field value of the weakest kept token")
     semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
 
