@@ -25,9 +25,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from common import machine, write_json
 from narrative_gravity.context import prune_context
 from narrative_gravity.metrics import mean_ci
 from narrative_gravity.ragbench import build_cases, exact_match_rank, load_news_articles
@@ -246,13 +244,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {
         "args": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": machine(torch.get_num_threads()),
         "retrieval": ret,
         "generation": gen,
     }
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2, ensure_ascii=False)
+    write_json(args.json, result)
     return result
 
 

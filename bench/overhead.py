@@ -50,19 +50,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = REPO / "profiles" / "binary_search.json"
-
-PROMPTS = [
-    "Write a Python function that performs binary search on a sorted array and returns the index.",
-    "Explain how binary search finds a target value in a sorted list.",
-    "Implement an iterative binary search in Python with comments.",
-    "What is the time complexity of binary search, and why?",
-    "Write a recursive binary search function for an array of integers.",
-    "Describe the loop invariant of the binary search algorithm.",
-    "Show how to find the first position of a target in a sorted array.",
-    "Write a function that returns where a target should be inserted in a sorted array.",
-]
+from common import DEFAULT_PROFILE, PROMPTS, REPO
 
 BUDGETS = {"gravity": 0.01, "gravity+thermo": 0.03}  # product spec: extra share of the per-token decode time
 

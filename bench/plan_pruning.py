@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from common import machine, write_json
 from narrative_gravity.metrics import mean_ci
 
 TOPICS = [
@@ -160,16 +158,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     result = {
         "args": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": machine(torch.get_num_threads()),
         "summary": summary,
         "plan_minus_best4": diff,
         "fields_only_minus_best4": diff_fields,
         "token_ratio": ratio,
         "rows": rows,
     }
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2, ensure_ascii=False)
+    write_json(args.json, result)
     return result
 
 

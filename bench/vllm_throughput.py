@@ -41,21 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = REPO / "profiles" / "binary_search.json"
+from common import DEFAULT_PROFILE, PROMPTS
+
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 ARMS = ("none", "gravity")
-
-PROMPTS = [
-    "Write a Python function that performs binary search on a sorted array and returns the index.",
-    "Explain how binary search finds a target value in a sorted list.",
-    "Implement an iterative binary search in Python with comments.",
-    "What is the time complexity of binary search, and why?",
-    "Write a recursive binary search function for an array of integers.",
-    "Describe the loop invariant of the binary search algorithm.",
-    "Show how to find the first position of a target in a sorted array.",
-    "Write a function that returns where a target should be inserted in a sorted array.",
-]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
