@@ -241,7 +241,7 @@ class StagedLogitsProcessor(LogitsProcessor):
         self.stage: torch.Tensor | None = None
         self._start: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
-        if getattr(self, "trace", None) is not None:
+        if self.trace is not None:
             self.trace.reset()
 
     def _to(self, device: torch.device, dtype: torch.dtype) -> None:
