@@ -167,6 +167,49 @@ def test_support_path_equals_dense_path(seed: int, batch: int, strength: float) 
     torch.testing.assert_close(dense_trace.tensor()[:, 0], reference, rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 4), weight=st.floats(0.0, 1.0), prompt=st.integers(1, 4))
+def test_repeat_weight_scales_generated_narrative_tokens_on_both_paths(
+    seed: int, batch: int, weight: float, prompt: int
+) -> None:
+    field = random_field(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 40, (batch, prompt + 3), generator=g)
+    logits = torch.randn(batch, 40, generator=g)
+    outs = []
+    for proc in (
+        NarrativeGravityLogitsProcessor(field, strength=2.0, repeat_weight=weight),
+        NarrativeGravityLogitsProcessor(field, DenseConstant(2.0), repeat_weight=weight),
+    ):
+        proc(ids[:, :prompt], logits)  # the prompt: nothing generated yet
+        for t in range(prompt + 1, ids.shape[1] + 1):
+            out = proc(ids[:, :t], logits)
+        outs.append(out)
+    a = field.for_step(ids).expand(batch, -1).clone()
+    for r in range(batch):
+        said = ids[r, prompt:].unique()
+        a[r, said] = torch.where(a[r, said] > 0, a[r, said] * weight, a[r, said])
+    expected = apply_gravity(logits, a, 2.0)
+    torch.testing.assert_close(outs[0], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[1], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_repeat_weight_leaves_prompt_tokens_and_penalties_alone() -> None:
+    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=2.0, repeat_weight=0.0)
+    first = proc(torch.tensor([[0, 4]]), torch.zeros(1, V))  # 0 and 4 are in the prompt only
+    assert first[0].tolist() == [2.0, 1.0, 0.0, 0.0, -1.0, -2.0]
+    out = proc(torch.tensor([[0, 4, 1]]), torch.zeros(1, V))  # token 1 was generated; then 5, a penalty
+    assert out[0].tolist() == [2.0, 0.0, 0.0, 0.0, -1.0, -2.0]
+    out = proc(torch.tensor([[0, 4, 1, 5]]), torch.zeros(1, V))
+    assert out[0].tolist() == [2.0, 0.0, 0.0, 0.0, -1.0, -2.0]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
+def test_bad_repeat_weight(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"`repeat_weight`"):
+        NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, repeat_weight=bad)
+
+
 def test_controller_without_needs_field_gets_the_dense_field() -> None:
     field = random_field(3)
     ctl = RecordingController()

@@ -332,6 +332,28 @@ def test_drift_reads_only_generated_tokens_and_the_window() -> None:
     assert t == pytest.approx(0.05)
 
 
+def test_drift_over_the_text_reads_the_prompt_too() -> None:
+    c = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0, drift_scope="text")
+    # step 0: an off-narrative prompt is drift
+    t = c.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[30, 31, 32, 33]]))).item()
+    assert t == pytest.approx(0.05 + 0.4)
+    # a prompt that ends on the narrative is not
+    t = c.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[0, 1, 0, 1]]))).item()
+    assert t == pytest.approx(0.05)
+    # a prompt shorter than the window: the positions before it count as off (2 of 4 on -> half drift)
+    t = c.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[0, 1]]))).item()
+    assert t == pytest.approx(0.05 + 0.2)
+    # once generating, the window slides over prompt and generated tokens alike
+    t = c.target(flat_ctx(step=2, budget=None, input_ids=torch.tensor([[30, 31, 32, 33, 0, 40]]))).item()
+    assert t == pytest.approx(0.05 + 0.4 * 3 / 4)
+    # the generated scope ignores the prompt (the default)
+    g = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0)
+    assert g.drift_scope == "generated"
+    assert g.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[30, 31, 32, 33]]))).item() == (
+        pytest.approx(0.05)
+    )
+
+
 def test_drift_uses_the_base_values_when_given() -> None:
     base = torch.zeros(V)
     base[30] = 1.0  # token 30 is on the narrative in the base field, not in the step field
@@ -400,6 +422,7 @@ def test_controller_needs_logits_and_field() -> None:
         ({"max_target": 1.0}, "max_target"),
         ({"drift_window": 0}, "drift_window"),
         ({"drift_share": 0.0}, "drift_share"),
+        ({"drift_scope": "prompt"}, "drift_scope"),
         ({"iterations": 0}, "iterations"),
         ({"candidates": 0}, "candidates"),
         ({"decay_half_life": 0.0}, "decay_half_life"),
@@ -447,6 +470,7 @@ def test_profile_defaults_and_controller() -> None:
         ({"thermostat": {"max_target": 1.0}}, "`thermostat.max_target` (got 1.0)"),
         ({"thermostat": {"entropy_low": 0.3, "entropy_high": 0.2}}, "entropy_low (0.3) must be below"),
         ({"thermostat": {"drift_windw": 3}}, "did you mean `drift_window`?"),
+        ({"thermostat": {"drift_scope": "all"}}, "`thermostat.drift_scope`"),
         ({"schedule": "thermostats"}, "`schedule` (got 'thermostats')"),
     ],
 )

@@ -228,6 +228,7 @@ def test_bad_profiles_are_rejected_with_the_key() -> None:
         "gravity_strenght": {"core_semantics": ["x"], "gravity_strenght": 2},
         "gravity_strength": {"core_semantics": ["x"], "gravity_strength": -1},
         "schedule": {"core_semantics": ["x"], "schedule": "thermostat"},
+        "repeat_weight": {"core_semantics": ["x"], "field": {"repeat_weight": 0.5}},
         "not valid JSON": "{core_semantics: x}",
     }
     for needle, bad in cases.items():

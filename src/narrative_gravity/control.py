@@ -25,6 +25,7 @@ import torch
 from .errors import ConfigurationError
 
 __all__ = [
+    "DRIFT_SCOPES",
     "ConstantController",
     "PhaseScheduleController",
     "StepContext",
@@ -32,6 +33,9 @@ __all__ = [
     "ThermostatController",
     "solve_strength",
 ]
+
+
+DRIFT_SCOPES = ("generated", "text")
 
 
 @dataclass(frozen=True)
@@ -346,7 +350,10 @@ class ThermostatController(_BaseStrength):
        ``drift_share`` is the share that already counts as "on the narrative" (default 1/8: one narrative
        token in the last 8 is enough); ``drift_share = 1`` gives the plain ``drift_gain × (1 − s)``. The
        tokens are read from ``input_ids`` through the field's base values (``drift_values``; else the
-       step's field). Before the first generated token there is no drift.
+       step's field). With ``drift_scope="generated"`` the window holds generated tokens only: before the
+       first one there is no drift. With ``drift_scope="text"`` it reaches back into the prompt (positions
+       before the text count as off the narrative): a prompt that ends off the narrative is drift too, so the
+       first steps are pulled until the text reaches the narrative, and then the model carries it.
     3. **Decay** (``decay_after_steps``, the classic key): after that many steps the target halves every
        ``decay_half_life`` steps.
     4. **Entropy gate**: the target is multiplied by ``clip((H/log V − entropy_low) / (entropy_high −
@@ -388,6 +395,7 @@ class ThermostatController(_BaseStrength):
         drift_window: int = 8,
         drift_gain: float = 0.15,
         drift_share: float = 0.125,
+        drift_scope: str = "generated",
         max_target: float = 0.95,
         entropy_low: float = 0.05,
         entropy_high: float = 0.25,
@@ -435,6 +443,11 @@ class ThermostatController(_BaseStrength):
             )
         if not decay_half_life > 0:
             raise ConfigurationError(f"`decay_half_life` has to be > 0 steps, but is {decay_half_life!r}")
+        if drift_scope not in DRIFT_SCOPES:
+            raise ConfigurationError(
+                f"`drift_scope` has to be one of {', '.join(map(repr, DRIFT_SCOPES))}, but is {drift_scope!r}"
+            )
+        self.drift_scope = drift_scope
         if drift_values is not None and (not isinstance(drift_values, torch.Tensor) or drift_values.dim() != 1):
             raise ConfigurationError("`drift_values` has to be a 1-D tensor over the vocabulary (a field's `values`)")
         self.explore_until, self.strict_from = explore_until, strict_from
@@ -486,15 +499,26 @@ class ThermostatController(_BaseStrength):
         return table
 
     def off_topic_share(self, ctx: StepContext) -> torch.Tensor:
-        """Per row, the share of the ``drift_window`` window taken by generated tokens whose field value is not > 0.
+        """Per row, the share of the ``drift_window`` window taken by tokens whose field value is not > 0.
 
-        Before ``drift_window`` tokens are generated, the missing ones count as on the narrative (the window
-        is not yet full; a short start is no evidence of drift).
+        ``drift_scope="generated"``: the window holds generated tokens only, and before ``drift_window``
+        tokens are generated the missing ones count as on the narrative (a short start is no evidence of
+        drift). ``drift_scope="text"``: the window is the text's last ``drift_window`` tokens, prompt
+        included, and positions before the text count as off the narrative.
         """
         b = ctx.batch_size
-        k = min(self.drift_window, ctx.step)
-        if k <= 0 or ctx.input_ids is None or ctx.input_ids.shape[1] < k:
-            return torch.zeros(b, device=ctx.device)
+        if self.drift_scope == "text":
+            if ctx.input_ids is None:
+                return torch.zeros(b, device=ctx.device)
+            k = min(self.drift_window, ctx.input_ids.shape[1])
+            before = self.drift_window - k  # positions before the text
+        else:
+            k = min(self.drift_window, ctx.step)
+            before = 0
+            if k <= 0 or ctx.input_ids is None or ctx.input_ids.shape[1] < k:
+                return torch.zeros(b, device=ctx.device)
+        if k <= 0:
+            return torch.ones(b, device=ctx.device)
         recent = ctx.input_ids[:, -k:].long()
         table = self._on_topic_table(recent.device)
         if table is None:
@@ -509,7 +533,7 @@ class ThermostatController(_BaseStrength):
             v = table.shape[0]
             on = table[recent.clamp(0, v - 1)]
         on = on * ((recent >= 0) & (recent < v))
-        return (k - on.sum(dim=-1)) / self.drift_window
+        return (k + before - on.sum(dim=-1)) / self.drift_window
 
     def drift(self, ctx: StepContext) -> torch.Tensor:
         """Per row, how far the recent tokens are from the narrative: ``clip(1 − s / drift_share, 0, 1)``."""

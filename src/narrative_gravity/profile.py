@@ -93,6 +93,9 @@ class Thermostat(_Strict):
     drift_share: float = Field(
         0.125, gt=0.0, le=1.0, description="share of narrative tokens in the window that counts as on topic"
     )
+    drift_scope: Literal["generated", "text"] = Field(
+        "generated", description="drift window: generated tokens only, or the text's last tokens, prompt included"
+    )
     max_target: float = Field(0.95, ge=0.0, lt=1.0, description="the target never exceeds this")
     entropy_low: float = Field(
         0.05, ge=0.0, le=1.0, description="normalized entropy at or below which a step is left alone"
@@ -132,6 +135,9 @@ class FieldOptions(_Strict):
     )
     semantic_topic: str | None = Field(
         None, min_length=1, description="a sentence describing the topic; None = the core_semantics words"
+    )
+    repeat_weight: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of its pull a narrative token keeps once the text has generated it"
     )
     semantic_top_k: int = Field(2000, ge=1, le=20000, description="at most this many related tokens are pulled")
     semantic_z_threshold: float = Field(2.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")

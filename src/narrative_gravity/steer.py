@@ -170,4 +170,5 @@ def processor_from_profile(
         prune_threshold=profile.prune_threshold,
         trace=trace,
         measure_only=measure_only,
+        repeat_weight=profile.field.repeat_weight,
     )

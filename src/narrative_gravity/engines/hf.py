@@ -38,6 +38,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         measure_only: record the trace but return the scores unchanged (the control run).
         nan_check_every: read the NaN flag back every this many steps; defaults to every step on CPU and
             every 16 steps on accelerators, so that no step waits on the device.
+        repeat_weight: the share of its pull a narrative token (``a > 0``) keeps once the row has generated
+            it (prompt tokens do not count). ``1`` = no change; below 1 the pull moves on to narrative tokens
+            not yet written, which spreads the text over its topic instead of repeating one word.
 
     Scores are returned as a new tensor; the input is never modified.
     """
@@ -53,6 +56,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         trace: Trace | None = None,
         measure_only: bool = False,
         nan_check_every: int | None = None,
+        repeat_weight: float = 1.0,
     ) -> None:
         if not isinstance(field, NarrativeField):
             raise ConfigurationError(
@@ -71,6 +75,12 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             raise ConfigurationError(
                 f"`prune_threshold` has to be in [-1, 1), but is {prune_threshold!r}; field values lie in [-1, 1]"
             )
+        if (
+            isinstance(repeat_weight, bool)
+            or not isinstance(repeat_weight, (int, float))
+            or not (0.0 <= repeat_weight <= 1.0)
+        ):
+            raise ConfigurationError(f"`repeat_weight` has to be a number in [0, 1], but is {repeat_weight!r}")
         if nan_check_every is not None and nan_check_every < 1:
             raise ConfigurationError(f"`nan_check_every` has to be >= 1, but is {nan_check_every!r}")
         self.field = field
@@ -80,6 +90,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.trace = trace
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
+        self.repeat_weight = float(repeat_weight)
         self._fitted: tuple[tuple[int, str, torch.dtype], NarrativeField] | None = None
         self._support: torch.Tensor | None = None
         # Without pruning, and with a controller that does not read the field, gravity touches the field's
@@ -175,7 +186,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         field = self._field_for(scores)
         if self._sparse:
             return self._step_on_support(field, input_ids, scores, step)
-        a = field.for_step(input_ids)
+        a = self._unrepeated(field.for_step(input_ids), input_ids, step)
         ctx = self._context(step, input_ids, scores, a)
         if self.measure_only:
             if self.trace is not None:
@@ -187,6 +198,20 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self.trace is not None:
             self.trace.record(self._measure(scores, a, lam, out))
         return out
+
+    def _unrepeated(
+        self, a: torch.Tensor, input_ids: torch.Tensor, step: int, support: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``a`` (``[V]``/``[B, V]``, or ``[S]``/``[B, S]`` on ``support``) with the positive values of the
+        tokens each row has generated scaled by ``repeat_weight`` (``[B, ...]``); unchanged when off."""
+        if self.repeat_weight == 1.0 or step <= 0:
+            return a
+        width = a.shape[-1] if support is None else self._fitted[0][0]
+        said = torch.zeros(input_ids.shape[0], width, dtype=torch.bool, device=a.device)
+        said.scatter_(1, input_ids[:, -step:].clamp(0, width - 1), True)
+        if support is not None:
+            said = said[:, support]
+        return torch.where(said & (a > 0), a * self.repeat_weight, a)
 
     def _measure(self, scores: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, out: torch.Tensor) -> Measurement:
         # A controller that already took this step's softmax (the thermostat) saves the thermometer its pass.
@@ -215,6 +240,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
     ) -> torch.Tensor:
         """The fast path (no pruning, a controller that does not read the field): work on the support only."""
         support, a_s = field.on_support(input_ids)
+        a_s = self._unrepeated(a_s, input_ids, step, support)
         if self.measure_only:
             if self.trace is not None:
                 zero = torch.zeros(scores.shape[0], device=scores.device)

@@ -85,8 +85,8 @@ def profile_from_extra_args(extra_args: Mapping[str, Any] | None) -> Profile | N
     """The profile in ``extra_args["gravity"]`` (a mapping or JSON text), or ``None`` when there is none.
 
     Raises :class:`~narrative_gravity.errors.ProfileError` (a ``ValueError``) that names the bad key, and
-    rejects what this engine cannot run (the thermostat schedule, semantic fields from the LM's own
-    embeddings).
+    rejects what this engine cannot run (the thermostat schedule, stages, ``field.repeat_weight``, semantic
+    fields from the LM's own embeddings).
     """
     if not extra_args:
         return None
@@ -132,6 +132,12 @@ def _parse_profile(key: str) -> Profile:
         raise ProfileError(
             f"{_SOURCE}: `stages` is not supported by the vLLM processor yet (stage tracking runs in the "
             "transformers processor); remove `stages`, or generate with transformers"
+        )
+    if profile.field.repeat_weight != 1.0:
+        raise ProfileError(
+            f"{_SOURCE}: `field.repeat_weight` (got {profile.field.repeat_weight}) is not supported by the vLLM "
+            "processor yet (it reads each row's generated tokens, which runs in the transformers processor); "
+            "remove it, or generate with transformers"
         )
     if profile.field.mode in ("semantic", "hybrid") and profile.field.semantic_source == "lm":
         raise ProfileError(
