@@ -10,6 +10,11 @@ For every topic prompt and seed, on SmolLM2-135M-Instruct (sampling: temperature
   the outline in the prompt and the staged field pulling toward the current section. Cost: drafts + text.
 - ``plan, fields only``: the same plan, but the outline is not written into the prompt: only the staged
   field carries it (SmolLM2-135M's outlines are often poor, and in the prompt they can lead the text away).
+- ``plan, semantic`` (``--semantic``): fields only, with every stage also keeping the semantic field
+  (MiniLM neighbours) of the prompt's topic words under its own (``plan_then_write(semantic=True)``).
+- ``plan, K openings`` (``--openings K``): fields only, with ``--opening-drafts`` outline drafts, and the text
+  written from the best of K sampled openings of ``--opening-tokens`` tokens (closest to the prompt), so that
+  drafts, openings and text together stay within half of best-of-4's tokens.
 - ``plan, no pull`` (``--ablation``): the same with strength 0 (only the outline in the prompt), to separate
   the two effects.
 - ``best-of-k`` for k = 1..4 from the same four samples (the mean over all k-subsets of the best relevance), to
@@ -62,6 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--outline-tokens", type=int, default=32)
     ap.add_argument("--strength", type=float, default=3.0)
     ap.add_argument("--ablation", action="store_true", help="also run plan-then-write with strength 0")
+    ap.add_argument("--semantic", action="store_true", help="also run fields only with the semantic base field")
+    ap.add_argument("--semantic-strength", type=float, default=None, help="strength of that arm (default --strength)")
+    ap.add_argument("--openings", type=int, default=0, help="also run fields only from the best of K openings")
+    ap.add_argument("--opening-tokens", type=int, default=24)
+    ap.add_argument("--opening-drafts", type=int, default=3, help="outline drafts for the openings arm")
+    ap.add_argument("--no-outline-arm", action="store_true", help="skip the arm with the outline in the prompt")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -90,20 +101,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "best_k": {k: float(np.mean([max(c) for c in itertools.combinations(rel, k)])) for k in range(1, 5)},
             "sample_tokens": statistics.mean(s.new_tokens for s in samples),
         }
-        arms = [("plan", args.strength, True), ("plan, fields only", args.strength, False)]
-        arms += [("plan, no pull", 0.0, True)] if args.ablation else []
-        for name, strength, in_prompt in arms:
+        arms = [] if args.no_outline_arm else [("plan", args.strength, True, False, 1)]
+        arms += [("plan, fields only", args.strength, False, False, 1)]
+        if args.semantic:
+            arms += [("plan, semantic", args.semantic_strength or args.strength, False, True, 1)]
+        if args.openings > 1:
+            arms += [(f"plan, {args.openings} openings", args.strength, False, False, args.openings)]
+        arms += [("plan, no pull", 0.0, True, False, 1)] if args.ablation else []
+        for name, strength, in_prompt, semantic, openings in arms:
             res = plan_then_write(
                 model,
                 tok,
                 prompt,
-                n_drafts=4,
+                n_drafts=4 if openings == 1 else args.opening_drafts,
                 outline_tokens=args.outline_tokens,
                 max_new_tokens=args.new_tokens,
                 strength=strength,
                 seed=seed,
                 encoder=encode,
                 include_outline=in_prompt,
+                semantic=semantic,
+                openings=openings,
+                opening_tokens=args.opening_tokens,
             )
             row[name] = {
                 "relevance": _rel(encode, [res.text], topic)[0],
@@ -115,14 +134,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         row["best4_text"] = samples[int(np.argmax(rel))].text
         rows.append(row)
+        plans = [a[0] for a in arms]
         print(
             f"{prompt[:50]:50s} best4 {row['best4']['relevance']:.3f} ({row['best4']['tokens']} tok) "
-            f"plan {row['plan']['relevance']:.3f} ({row['plan']['tokens']} tok) "
-            f"fields only {row['plan, fields only']['relevance']:.3f}",
+            + " ".join(f"{n} {row[n]['relevance']:.3f} ({row[n]['tokens']} tok)" for n in plans),
             flush=True,
         )
 
-    names = ["best4", "plan", "plan, fields only"] + (["plan, no pull"] if args.ablation else [])
+    names = ["best4", *plans]
     summary: dict[str, Any] = {}
     print("\n| method | topic relevance [95% CI] | generated tokens (mean) | seconds (mean) |")
     print("|---|---|---|---|")
@@ -139,30 +158,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         secs = statistics.mean(r[name]["seconds"] for r in rows)
         summary[name] = {"relevance": (m, lo, hi), "tokens": toks, "seconds": secs}
         print(f"| {name} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {toks:.0f} | {secs:.2f} |")
-    diff = mean_ci([r["plan"]["relevance"] - r["best4"]["relevance"] for r in rows])
-    diff_fields = mean_ci([r["plan, fields only"]["relevance"] - r["best4"]["relevance"] for r in rows])
-    ratio = summary["plan"]["tokens"] / summary["best4"]["tokens"]
-    reach = {}
-    for name in ("plan", "plan, fields only"):
-        target = summary[name]["relevance"][0]
-        reach[name] = next((k for k in range(1, 5) if summary[f"best-of-{k}"]["relevance"][0] >= target), None)
-    print(
-        f"\nplan - best4 relevance: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]; plan tokens / best4 tokens: "
-        f"{ratio:.2f}; seconds ratio {summary['plan']['seconds'] / summary['best4']['seconds']:.2f}"
-    )
-    print(f"plan, fields only - best4 relevance: {diff_fields[0]:+.3f} [{diff_fields[1]:+.3f}, {diff_fields[2]:+.3f}]")
-    for name, k in reach.items():
+    diffs = {n: mean_ci([r[n]["relevance"] - r["best4"]["relevance"] for r in rows]) for n in plans}
+    ratios = {n: summary[n]["tokens"] / summary["best4"]["tokens"] for n in plans}
+    for n in plans:
+        d = diffs[n]
+        target = summary[n]["relevance"][0]
+        k = next((k for k in range(1, 5) if summary[f"best-of-{k}"]["relevance"][0] >= target), None)
         print(
-            f"smallest best-of-k reaching the mean relevance of '{name}': "
-            + (f"k={k} ({summary[f'best-of-{k}']['tokens']:.0f} tokens)" if k else "none of k<=4")
+            f"{n} - best4 relevance: {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]; tokens / best4 tokens: {ratios[n]:.2f}; "
+            f"seconds ratio {summary[n]['seconds'] / summary['best4']['seconds']:.2f}; smallest best-of-k reaching "
+            "its mean relevance: " + (f"k={k}" if k else "none of k<=4")
         )
     result = {
         "args": vars(args),
         "machine": machine(torch.get_num_threads()),
         "summary": summary,
-        "plan_minus_best4": diff,
-        "fields_only_minus_best4": diff_fields,
-        "token_ratio": ratio,
+        "minus_best4": diffs,
+        "token_ratio": ratios,
         "rows": rows,
     }
     write_json(args.json, result)

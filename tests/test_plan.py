@@ -208,6 +208,24 @@ def test_the_pull_goes_through_apply_gravity(tiny_tokenizer, monkeypatch):
     assert calls == [torch.Size([2, len(tiny_tokenizer)])]
 
 
+def test_a_base_field_stays_under_every_stage(tiny_tokenizer):
+    tok = tiny_tokenizer
+    v = len(tok)
+    planet, galaxy = _tok_id(tok, "planet"), _tok_id(tok, "galaxy")
+    base_values = torch.zeros(v)
+    base_values[9], base_values[galaxy] = 0.8, 0.4  # 9: a base-only token
+    base_values[10] = -1.0  # a penalty in the base is not kept (only the stage's own penalties win)
+    proc = _proc(tok, max_new_tokens=100, base=NarrativeField(values=base_values), base_weight=0.5)
+    prompt = torch.tensor([[5, 6, 7]])
+    out = proc(prompt, torch.zeros(1, v))
+    # stage 0: planet from the stage, token 9 and galaxy from the base at half weight
+    assert out[0, planet] == 2.0 and out[0, 9] == pytest.approx(0.8) and out[0, galaxy] == pytest.approx(0.4)
+    assert out[0, 10] == 0.0
+    out = proc(torch.cat([prompt, torch.tensor([[planet]])], dim=1), torch.zeros(1, v))
+    # stage 1: galaxy is the stage's own word now; the base still pulls token 9
+    assert out[0, galaxy] == 2.0 and out[0, 9] == pytest.approx(0.8) and out[0, planet] == 0.0
+
+
 def test_multi_token_words_continue_per_stage(tiny_tokenizer):
     tok = tiny_tokenizer
     proc = StagedLogitsProcessor.from_stages(
@@ -258,6 +276,63 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
     assert res.write_prompt == "the planet and its orbit"
     # the prompt's own words join every stage
     assert all({"planet", "orbit"} <= set(s.core_semantics) for s in res.stages)
+
+
+def test_plan_then_write_with_a_semantic_base(tiny_model, monkeypatch, tmp_path):
+    model, tok = tiny_model
+    monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path))
+    built = []
+    real = plan_mod.StagedLogitsProcessor.from_stages
+
+    def spy(tokenizer, stages, **kw):
+        built.append(kw.get("base"))
+        return real(tokenizer, stages, **kw)
+
+    monkeypatch.setattr(plan_mod.StagedLogitsProcessor, "from_stages", spy)
+    res = plan_then_write(
+        model,
+        tok,
+        "the planet and its orbit",
+        n_drafts=2,
+        outline_tokens=8,
+        max_new_tokens=6,
+        encoder=ENC,
+        semantic=True,
+    )
+    assert 0 < res.write_tokens <= 6
+    (base,) = built
+    assert isinstance(base, NarrativeField) and int((base.values > 0).sum()) > 0
+
+
+def test_plan_then_write_from_the_best_of_several_openings(tiny_model, monkeypatch):
+    model, tok = tiny_model
+    calls = []
+    real_generate = model.generate
+
+    def spy(**kw):
+        out = real_generate(**kw)
+        calls.append((kw["input_ids"].shape, out.shape))
+        return out
+
+    monkeypatch.setattr(model, "generate", spy)
+    res = plan_then_write(
+        model,
+        tok,
+        "the planet and its orbit",
+        stages=[{"core_semantics": ["planet"], "share": 0.5}, {"core_semantics": ["orbit"]}],
+        max_new_tokens=10,
+        encoder=ENC,
+        openings=3,
+        opening_tokens=4,
+    )
+    (open_in, open_out), (cont_in, cont_out) = calls
+    assert open_in[0] == 3 and open_out[1] - open_in[1] <= 4  # three openings of at most 4 tokens, one batch
+    assert cont_in[0] == 1 and cont_in[1] > open_in[1]  # one continuation that starts after an opening
+    assert cont_out[1] - cont_in[1] <= 10 - (cont_in[1] - open_in[1])  # the budget is shared with the opening
+    assert res.write_tokens == 3 * (open_out[1] - open_in[1]) + (cont_out[1] - cont_in[1])  # no early EOS here
+    assert res.text and len(res.final_stage) == 1
+    with pytest.raises(ConfigurationError, match="openings"):
+        plan_then_write(model, tok, "x", stages=[{"core_semantics": ["planet"]}], openings=0, encoder=ENC)
 
 
 def test_plan_then_write_can_put_the_outline_in_the_prompt(tiny_model):

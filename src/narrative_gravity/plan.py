@@ -40,7 +40,7 @@ from transformers import LogitsProcessor
 from .control import ConstantController, StepContext, StrengthController
 from .core import apply_gravity
 from .errors import ConfigurationError, FieldError
-from .fields import NarrativeField
+from .fields import NarrativeField, combine_fields
 from .fields.lexical import build_lexical_field, reach, surface_forms
 from .text import STOPWORDS, content_words, word_set
 from .thermo import Trace, measure
@@ -225,10 +225,25 @@ class StagedLogitsProcessor(LogitsProcessor):
         self.reset()
 
     @classmethod
-    def from_stages(cls, tokenizer: Any, stages: Sequence[Stage] | Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
-        """Build the fields and word tables of ``stages`` for ``tokenizer``; ``kwargs`` go to the constructor."""
+    def from_stages(
+        cls,
+        tokenizer: Any,
+        stages: Sequence[Stage] | Sequence[Mapping[str, Any]],
+        *,
+        base: NarrativeField | None = None,
+        base_weight: float = 1.0,
+        **kwargs: Any,
+    ) -> Any:
+        """Build the fields and word tables of ``stages`` for ``tokenizer``; ``kwargs`` go to the constructor.
+
+        ``base`` is a field every stage keeps under its own (for example the semantic field of the whole
+        prompt): each stage's positive values become ``max(stage, base_weight × base)``, its penalties win
+        (:func:`~narrative_gravity.fields.combine_fields`).
+        """
         parsed = parse_stages(stages)
         fields = build_stage_fields(tokenizer, parsed)
+        if base is not None:
+            fields = [combine_fields(f, base, weight=base_weight) for f in fields]
         words = []
         for s in parsed:
             ok, _ = reach(tokenizer, s.core_semantics, max_pieces=8)
@@ -562,6 +577,10 @@ def plan_then_write(
     include_outline: bool = False,
     raw: bool | None = None,
     prompt_words: int = 4,
+    semantic: bool = False,
+    semantic_weight: float = 1.0,
+    openings: int = 1,
+    opening_tokens: int = 32,
 ) -> PlanResult:
     """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a :class:`StagedLogitsProcessor`.
 
@@ -570,8 +589,20 @@ def plan_then_write(
     prompt they lead the text away; see ``docs/pruning.md``). With ``stages`` given by hand, no outline is
     drafted. A ``profile`` adds its narrative to the outline
     score and its core words to every stage; without one, the prompt's first ``prompt_words`` content words
-    join every stage.
+    join every stage. With ``semantic=True`` every stage also keeps the semantic field (MiniLM neighbours,
+    :func:`~narrative_gravity.fields.build_semantic_field`) of those words under its own, at
+    ``semantic_weight``: the sections say where the text goes next, the semantic field keeps all of it on
+    the prompt's topic.
+
+    With ``openings > 1`` the text is written in two parts (branch pruning): ``openings`` sampled openings
+    of ``opening_tokens`` tokens, all under the staged field and in one batch; the one closest to the prompt
+    (MiniLM cosine to the prompt, and to the profile's narrative) is kept, and the rest of the text continues
+    it from the stage it reached. Every opening's tokens count in ``write_tokens``.
     """
+    if isinstance(openings, bool) or not isinstance(openings, int) or openings < 1:
+        raise ConfigurationError(f"`openings` has to be a whole number >= 1, but is {openings!r}")
+    if isinstance(opening_tokens, bool) or not isinstance(opening_tokens, int) or opening_tokens < 1:
+        raise ConfigurationError(f"`opening_tokens` has to be a whole number >= 1, but is {opening_tokens!r}")
     from .context import narrative_text
     from .generation import SamplingOptions, generate
 
@@ -608,24 +639,121 @@ def plan_then_write(
         plan = stages_from_outline(best, extra_words=extra)
     else:
         plan = parse_stages(stages)
+    base = None
+    if semantic:
+        from .fields import build_semantic_field
+
+        topic = extra or [w for s in plan for w in s.core_semantics]
+        base = build_semantic_field(tokenizer, topic, source="minilm", top_k=2000, z_threshold=2.0, progress=False)
     processor = StagedLogitsProcessor.from_stages(
-        tokenizer, plan, strength=strength, max_new_tokens=max_new_tokens, cover_fraction=cover_fraction
+        tokenizer,
+        plan,
+        base=base,
+        base_weight=semantic_weight,
+        strength=strength,
+        max_new_tokens=max_new_tokens,
+        cover_fraction=cover_fraction,
     )
     write = prompt
     if include_outline and best is not None:
         write = f"{prompt}\nFollow this outline:\n" + "\n".join(f"{i + 1}. {s}" for i, s in enumerate(best.sections))
-    opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
-    out = generate(model, tokenizer, [write], options=opts, processor_factory=lambda _n, _t: processor, raw=raw)[0]
-    final = processor.stage.tolist() if processor.stage is not None else []
+    if openings > 1 and opening_tokens < max_new_tokens:
+        text, write_tokens, final = _write_from_openings(
+            model,
+            tokenizer,
+            write,
+            plan,
+            processor,
+            target=prompt if profile is None else f"{prompt}\n{narrative_text(profile)}",
+            openings=openings,
+            opening_tokens=opening_tokens,
+            options=SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed),
+            raw=raw,
+            encoder=encoder,
+            stage_kwargs={
+                "base": base,
+                "base_weight": semantic_weight,
+                "cover_fraction": cover_fraction,
+                "strength": strength,
+            },
+        )
+    else:
+        opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+        out = generate(model, tokenizer, [write], options=opts, processor_factory=lambda _n, _t: processor, raw=raw)
+        text, write_tokens = out[0].text, out[0].new_tokens
+        final = processor.stage.tolist() if processor.stage is not None else []
     return PlanResult(
         prompt=prompt,
-        text=out.text,
+        text=text,
         outline=best,
         outlines=outlines,
         stages=plan,
         draft_tokens=draft_tokens,
-        write_tokens=out.new_tokens,
+        write_tokens=write_tokens,
         seconds=time.perf_counter() - t0,
         final_stage=final,
         write_prompt=write,
     )
+
+
+def _write_from_openings(
+    model: Any,
+    tokenizer: Any,
+    write: str,
+    plan: list[Stage],
+    processor: StagedLogitsProcessor,
+    *,
+    target: str,
+    openings: int,
+    opening_tokens: int,
+    options: Any,
+    raw: bool,
+    encoder: Encoder | None,
+    stage_kwargs: dict[str, Any],
+) -> tuple[str, int, list[int]]:
+    """Sample ``openings`` openings in one batch, keep the one closest to ``target``, continue it.
+
+    Returns the text, every generated token of the writing (all openings plus the continuation) and the
+    final stage.
+    """
+    from dataclasses import replace as _replace
+
+    from .generation import encode_prompts, eos_token_ids, generated_length
+
+    ids = encode_prompts(tokenizer, [write], raw=raw)[0]
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = eos_token_ids(model, tokenizer)
+
+    def sample(start: list[list[int]], proc: StagedLogitsProcessor, n: int, seed: int) -> list[list[int]]:
+        batch = torch.tensor(start, device=device)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=batch,
+                attention_mask=torch.ones_like(batch),
+                logits_processor=[proc],
+                pad_token_id=pad_id,
+                **_replace(options, max_new_tokens=n).generate_kwargs(),
+            )
+        rows = out[:, batch.shape[1] :].cpu().tolist()
+        return [row[: generated_length(row, eos)] for row in rows]
+
+    drafts = sample([ids] * openings, processor, opening_tokens, options.seed)
+    texts = tokenizer.batch_decode(drafts, skip_special_tokens=True)
+    vecs = np.asarray(_embed(encoder or _default_encoder(), [target, *texts]))
+    best = int(np.argmax(vecs[1:] @ vecs[0]))
+    opening = drafts[best]
+    spent = sum(len(d) for d in drafts)
+    stage = int(processor.stage[best]) if processor.stage is not None else 0
+    left = options.max_new_tokens - len(opening)
+    if left <= 0 or (opening and opening[-1] in eos):
+        return texts[best], spent, [stage]
+    rest = plan[stage:]
+    total = sum(st.share for st in rest)
+    rest = [Stage(st.name, list(st.core_semantics), st.share / total) for st in rest]
+    follow = StagedLogitsProcessor.from_stages(tokenizer, rest, max_new_tokens=left, **stage_kwargs)
+    cont = sample([ids + opening], follow, left, options.seed + 1)[0]
+    text = tokenizer.decode(opening + cont, skip_special_tokens=True)
+    final = stage + (int(follow.stage[0]) if follow.stage is not None else 0)
+    return text, spent + len(cont), [final]
