@@ -421,6 +421,7 @@ def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_p
     assert strong["gravity_strength"] == 9.0 and strong["core_semantics"] == ["planet", "orbit"]
     auto = manifest["profiles"]["auto"]["per_topic"]["space"]
     assert auto["schedule"] == "thermostat" and auto["field"]["mode"] == "semantic"
+    assert auto["field"]["repeat_weight"] == 0.0 and auto["thermostat"]["max_strength"] == 4.25
     assert rows["strong"]["metrics"]["mean_strength"] == 9.0
     assert rows["weighted-4"]["trace"] is None and rows["article"]["trace"] is None
     for bad in ("weighted:x", "weighted:-1"):
