@@ -402,6 +402,20 @@ def test_auto_profiles_and_jsonl_profile_names(tiny_model, tmp_path, space_profi
         run_eval(_settings(f, [space_profile]), tmp_path / "x", model=model, tokenizer=tok, progress=False)
 
 
+def test_the_topic_profile_file_holds_the_auto_defaults():
+    from pathlib import Path
+
+    from narrative_gravity.eval.runner import AUTO_DEFAULTS
+    from narrative_gravity.profile import Profile, load_profile
+
+    path = Path(__file__).resolve().parents[1] / "profiles" / "topic.yaml"
+    if not path.exists():
+        pytest.skip("profiles/topic.yaml is not in this checkout")
+    stored = load_profile(path)
+    auto = Profile.from_mapping({**AUTO_DEFAULTS, "core_semantics": stored.core_semantics, "name": stored.name})
+    assert stored.model_dump() == auto.model_dump()
+
+
 def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_path):
     model, tok = tiny_model
     f = _write(
