@@ -279,7 +279,8 @@ def eval_command(
         list[str] | None,
         typer.Option(
             "--profile",
-            help="repeat for several arms: a profile file; `auto` (one profile per topic from its words); "
+            help="repeat for several arms: a profile file; `auto` (one profile per topic from its words, with "
+            "the settings of profiles/topic.yaml); "
             "`auto:TEMPLATE.json` (the same, from a template, named after it); `article` (the blog-post "
             "processor); `weighted:λ` (weighted decoding)",
         ),
