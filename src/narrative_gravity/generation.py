@@ -24,6 +24,7 @@ __all__ = [
     "generate",
     "generated_length",
     "left_pad",
+    "sample_ids",
 ]
 
 
@@ -159,33 +160,18 @@ def generate(
     if not prompts:
         return []
     encoded = encode_prompts(tokenizer, prompts, raw=raw)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = eos_token_ids(model, tokenizer)
-    device = next(model.parameters()).device
     results: list[GenerationResult] = []
     for start in range(0, len(prompts), batch_size):
         chunk = encoded[start : start + batch_size]
-        ids, mask = left_pad(chunk, pad_id)
         trace = Trace() if record_trace else None
         processor = processor_factory(options.max_new_tokens, trace) if processor_factory else None
-        kwargs = options.generate_kwargs()
-        torch.manual_seed(options.seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                logits_processor=[processor] if processor is not None else None,
-                pad_token_id=pad_id,
-                **kwargs,
-            )
+        rows = sample_ids(model, tokenizer, chunk, options, processor)
         elapsed = time.perf_counter() - t0
-        gen = out[:, ids.shape[1] :].cpu()
-        lengths = [generated_length(row, eos_ids) for row in gen.tolist()]
+        lengths = [len(row) for row in rows]
         traces = trace.to_numpy() if trace is not None and len(trace) else None
         means = trace.means(lengths) if trace is not None and len(trace) else None
-        for i, (row, n) in enumerate(zip(gen.tolist(), lengths, strict=True)):
-            toks = row[:n]
+        for i, (toks, n) in enumerate(zip(rows, lengths, strict=True)):
             results.append(
                 GenerationResult(
                     prompt=prompts[start + i],
@@ -202,6 +188,31 @@ def generate(
         if progress is not None:
             progress(len(chunk))
     return results
+
+
+def sample_ids(
+    model: Any, tokenizer: Any, batch: list[list[int]], options: SamplingOptions, processor: Any = None
+) -> list[list[int]]:
+    """Continue token-id prompts in one left-padded ``model.generate`` call, seeded with ``options.seed``.
+
+    Returns each row's new tokens, cut after its first end-of-sequence token (:func:`generated_length`).
+    ``processor`` is one logits processor for the batch, or ``None`` for plain decoding.
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = eos_token_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    ids, mask = left_pad(batch, pad_id)
+    torch.manual_seed(options.seed)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            logits_processor=[processor] if processor is not None else None,
+            pad_token_id=pad_id,
+            **options.generate_kwargs(),
+        )
+    rows = out[:, ids.shape[1] :].cpu().tolist()
+    return [row[: generated_length(row, eos_ids)] for row in rows]
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -718,28 +718,10 @@ def _write_from_openings(
     """
     from dataclasses import replace as _replace
 
-    from .generation import encode_prompts, eos_token_ids, generated_length
+    from .generation import encode_prompts, eos_token_ids, sample_ids
 
     ids = encode_prompts(tokenizer, [write], raw=raw)[0]
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = eos_token_ids(model, tokenizer)
-
-    def sample(start: list[list[int]], proc: StagedLogitsProcessor, n: int, seed: int) -> list[list[int]]:
-        batch = torch.tensor(start, device=device)
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=batch,
-                attention_mask=torch.ones_like(batch),
-                logits_processor=[proc],
-                pad_token_id=pad_id,
-                **_replace(options, max_new_tokens=n).generate_kwargs(),
-            )
-        rows = out[:, batch.shape[1] :].cpu().tolist()
-        return [row[: generated_length(row, eos)] for row in rows]
-
-    drafts = sample([ids] * openings, processor, opening_tokens, options.seed)
+    drafts = sample_ids(model, tokenizer, [ids] * openings, _replace(options, max_new_tokens=opening_tokens), processor)
     texts = tokenizer.batch_decode(drafts, skip_special_tokens=True)
     vecs = np.asarray(_embed(encoder or _default_encoder(), [target, *texts]))
     best = int(np.argmax(vecs[1:] @ vecs[0]))
@@ -747,13 +729,15 @@ def _write_from_openings(
     spent = sum(len(d) for d in drafts)
     stage = int(processor.stage[best]) if processor.stage is not None else 0
     left = options.max_new_tokens - len(opening)
-    if left <= 0 or (opening and opening[-1] in eos):
+    if left <= 0 or (opening and opening[-1] in eos_token_ids(model, tokenizer)):
         return texts[best], spent, [stage]
     rest = plan[stage:]
     total = sum(st.share for st in rest)
     rest = [Stage(st.name, list(st.core_semantics), st.share / total) for st in rest]
     follow = StagedLogitsProcessor.from_stages(tokenizer, rest, max_new_tokens=left, **stage_kwargs)
-    cont = sample([ids + opening], follow, left, options.seed + 1)[0]
+    cont = sample_ids(
+        model, tokenizer, [ids + opening], _replace(options, max_new_tokens=left, seed=options.seed + 1), follow
+    )[0]
     text = tokenizer.decode(opening + cont, skip_special_tokens=True)
     final = stage + (int(follow.stage[0]) if follow.stage is not None else 0)
     return text, spent + len(cont), [final]
