@@ -19,6 +19,7 @@ from .thermo import Trace
 __all__ = [
     "GenerationResult",
     "SamplingOptions",
+    "chat_ids",
     "encode_prompts",
     "eos_token_ids",
     "generate",
@@ -110,13 +111,17 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, raw: bool) -> list
         raise ConfigurationError(
             "this model's tokenizer has no chat template; pass --raw (raw=True) for plain continuation"
         )
-    out = []
-    for p in prompts:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-        )
-        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    return [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's turn.
+
+    The template writes its own special tokens, so none are added on top. The caller checks that the
+    tokenizer has a template.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -244,9 +244,11 @@ class Conversation:
             {"role": "user", "content": user_text},
         ]
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:  # plain transcript for models without a chat template
-            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+            from .generation import chat_ids
+
+            return chat_ids(self.tokenizer, messages)
+        # plain transcript for models without a chat template
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def say(self, user_text: str) -> str:

@@ -159,8 +159,9 @@ class TokenizerText:
             raise ConfigurationError(
                 f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
             )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        from ..generation import chat_ids
+
+        return chat_ids(self.tokenizer, messages)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
