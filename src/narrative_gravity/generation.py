@@ -171,7 +171,7 @@ def generate(
         trace = Trace() if record_trace else None
         processor = processor_factory(options.max_new_tokens, trace) if processor_factory else None
         t0 = time.perf_counter()
-        rows = sample_ids(model, tokenizer, chunk, options, processor)
+        rows = sample_ids(model, tokenizer, chunk, options, [processor] if processor is not None else [])
         elapsed = time.perf_counter() - t0
         lengths = [len(row) for row in rows]
         traces = trace.to_numpy() if trace is not None and len(trace) else None
@@ -196,12 +196,12 @@ def generate(
 
 
 def sample_ids(
-    model: Any, tokenizer: Any, batch: list[list[int]], options: SamplingOptions, processor: Any = None
+    model: Any, tokenizer: Any, batch: list[list[int]], options: SamplingOptions, processors: Sequence[Any] = ()
 ) -> list[list[int]]:
     """Continue token-id prompts in one left-padded ``model.generate`` call, seeded with ``options.seed``.
 
     Returns each row's new tokens, cut after its first end-of-sequence token (:func:`generated_length`).
-    ``processor`` is one logits processor for the batch, or ``None`` for plain decoding.
+    ``processors`` are the batch's logits processors, in order; none for plain decoding.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = eos_token_ids(model, tokenizer)
@@ -212,7 +212,7 @@ def sample_ids(
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            logits_processor=[processor] if processor is not None else None,
+            logits_processor=list(processors) or None,
             pad_token_id=pad_id,
             **options.generate_kwargs(),
         )

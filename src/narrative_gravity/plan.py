@@ -721,7 +721,9 @@ def _write_from_openings(
     from .generation import encode_prompts, eos_token_ids, sample_ids
 
     ids = encode_prompts(tokenizer, [write], raw=raw)[0]
-    drafts = sample_ids(model, tokenizer, [ids] * openings, _replace(options, max_new_tokens=opening_tokens), processor)
+    drafts = sample_ids(
+        model, tokenizer, [ids] * openings, _replace(options, max_new_tokens=opening_tokens), [processor]
+    )
     texts = tokenizer.batch_decode(drafts, skip_special_tokens=True)
     vecs = np.asarray(_embed(encoder or _default_encoder(), [target, *texts]))
     best = int(np.argmax(vecs[1:] @ vecs[0]))
@@ -736,7 +738,7 @@ def _write_from_openings(
     rest = [Stage(st.name, list(st.core_semantics), st.share / total) for st in rest]
     follow = StagedLogitsProcessor.from_stages(tokenizer, rest, max_new_tokens=left, **stage_kwargs)
     cont = sample_ids(
-        model, tokenizer, [ids + opening], _replace(options, max_new_tokens=left, seed=options.seed + 1), follow
+        model, tokenizer, [ids + opening], _replace(options, max_new_tokens=left, seed=options.seed + 1), [follow]
     )[0]
     text = tokenizer.decode(opening + cont, skip_special_tokens=True)
     final = stage + (int(follow.stage[0]) if follow.stage is not None else 0)

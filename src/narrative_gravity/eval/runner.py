@@ -411,45 +411,30 @@ class _Runner:
         self.say = report
 
     def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
-        import torch
-
-        from ..generation import SamplingOptions, encode_prompts, eos_token_ids, generated_length, left_pad
+        from ..generation import SamplingOptions, encode_prompts, sample_ids
         from ..thermo import Trace
 
         options = SamplingOptions(
             max_new_tokens=self.s.max_new_tokens, top_k=self.s.top_k, temperature=self.s.temperature, seed=seed
         )
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
-        pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        ids, mask = left_pad(encoded, pad_id)
-        device = next(self.model.parameters()).device
         clock = _FirstStepClock()
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
         procs = [clock] if processor is None else [clock, processor]
-        torch.manual_seed(seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                logits_processor=procs,
-                pad_token_id=pad_id,
-                **options.generate_kwargs(),
-            )
+        rows = sample_ids(self.model, self.tok, encoded, options, procs)
         elapsed = time.perf_counter() - t0
         ttft = (clock.t - t0) if clock.t is not None else float("nan")
-        gen = out[:, ids.shape[1] :].cpu().tolist()
-        eos = eos_token_ids(self.model, self.tok)
-        lengths = [generated_length(row, eos) for row in gen]
+        lengths = [len(row) for row in rows]
         traces = trace.to_numpy() if isinstance(trace, Trace) and len(trace) else None
         means = trace.means(lengths) if isinstance(trace, Trace) and len(trace) else None
         results = []
-        for i, (row, n) in enumerate(zip(gen, lengths, strict=True)):
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             results.append(
                 _Generated(
                     prompt_ids=list(encoded[i]),
-                    token_ids=row[:n],
-                    text=self.tok.decode(row[:n], skip_special_tokens=True),
+                    token_ids=row,
+                    text=self.tok.decode(row, skip_special_tokens=True),
                     trace={k: [round(float(v), 5) for v in traces[k][i, :n]] for k in TRACE_KEYS} if traces else None,
                     trace_means=means[i] if means else None,
                     seconds=elapsed / len(prompts),
