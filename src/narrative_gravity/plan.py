@@ -642,9 +642,20 @@ def plan_then_write(
     base = None
     if semantic:
         from .fields import build_semantic_field
+        from .profile import FieldOptions
 
         topic = extra or [w for s in plan for w in s.core_semantics]
-        base = build_semantic_field(tokenizer, topic, source="minilm", top_k=2000, z_threshold=2.0, progress=False)
+        opts = FieldOptions()  # the profile defaults of a semantic field
+        base = build_semantic_field(
+            tokenizer,
+            topic,
+            source="minilm",
+            top_k=opts.semantic_top_k,
+            z_threshold=opts.semantic_z_threshold,
+            min_value=opts.semantic_min_value,
+            glued_weight=opts.glued_weight,
+            progress=False,
+        )
     processor = StagedLogitsProcessor.from_stages(
         tokenizer,
         plan,
