@@ -186,7 +186,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         field = self._field_for(scores)
         if self._sparse:
             return self._step_on_support(field, input_ids, scores, step)
-        a = self._unrepeated(field.for_step(input_ids), input_ids, step)
+        a = self._unrepeated(field.for_step(input_ids), input_ids, step, scores.shape[-1])
         ctx = self._context(step, input_ids, scores, a)
         if self.measure_only:
             if self.trace is not None:
@@ -200,13 +200,13 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         return out
 
     def _unrepeated(
-        self, a: torch.Tensor, input_ids: torch.Tensor, step: int, support: torch.Tensor | None = None
+        self, a: torch.Tensor, input_ids: torch.Tensor, step: int, width: int, support: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``a`` (``[V]``/``[B, V]``, or ``[S]``/``[B, S]`` on ``support``) with the positive values of the
-        tokens each row has generated scaled by ``repeat_weight`` (``[B, ...]``); unchanged when off."""
+        """``a`` (``[V]``/``[B, V]``, or ``[S]``/``[B, S]`` on ``support``; ``width`` = V) with the positive
+        values of the tokens each row has generated scaled by ``repeat_weight`` (``[B, ...]``); unchanged
+        when off."""
         if self.repeat_weight == 1.0 or step <= 0:
             return a
-        width = a.shape[-1] if support is None else self._fitted[0][0]
         said = torch.zeros(input_ids.shape[0], width, dtype=torch.bool, device=a.device)
         said.scatter_(1, input_ids[:, -step:].clamp(0, width - 1), True)
         if support is not None:
@@ -240,7 +240,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
     ) -> torch.Tensor:
         """The fast path (no pruning, a controller that does not read the field): work on the support only."""
         support, a_s = field.on_support(input_ids)
-        a_s = self._unrepeated(a_s, input_ids, step, support)
+        a_s = self._unrepeated(a_s, input_ids, step, scores.shape[-1], support)
         if self.measure_only:
             if self.trace is not None:
                 zero = torch.zeros(scores.shape[0], device=scores.device)
