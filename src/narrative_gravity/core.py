@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_gravity", "apply_gravity_on_support", "prune_mask"]
+__all__ = ["apply_gravity", "apply_gravity_on_support", "damp_repeats", "prune_mask"]
 
 
 def _as_row_strength(strength: torch.Tensor | float, logits: torch.Tensor) -> torch.Tensor | float:
@@ -94,3 +94,33 @@ def prune_mask(field: torch.Tensor, threshold: float | None) -> torch.Tensor | N
     if threshold is None:
         return None
     return field <= threshold
+
+
+def damp_repeats(
+    field: torch.Tensor,
+    input_ids: torch.Tensor,
+    generated: int,
+    weight: float,
+    width: int,
+    support: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``field`` with the pull of every token a row has already generated scaled by ``weight``.
+
+    Only positive values are scaled (penalties stay), and only the last ``generated`` ids of ``input_ids``
+    count (the prompt does not). ``field`` is ``[V]`` or ``[B, V]`` (``width`` = V), or ``[S]``/``[B, S]``
+    on the ids ``support``; the result is ``[B, ...]``, or ``field`` itself when ``weight`` is 1 or nothing
+    has been generated yet.
+
+    >>> a = torch.tensor([1.0, 0.5, -1.0, 0.0])
+    >>> damp_repeats(a, torch.tensor([[0, 3, 2]]), 2, 0.0, 4).tolist()  # 0 is in the prompt, 2 is a penalty
+    [[1.0, 0.5, -1.0, 0.0]]
+    >>> damp_repeats(a, torch.tensor([[0, 3, 1]]), 2, 0.25, 4).tolist()
+    [[1.0, 0.125, -1.0, 0.0]]
+    """
+    if weight == 1.0 or generated <= 0:
+        return field
+    said = torch.zeros(input_ids.shape[0], width, dtype=torch.bool, device=field.device)
+    said.scatter_(1, input_ids[:, -generated:].clamp(0, width - 1), True)
+    if support is not None:
+        said = said[:, support]
+    return torch.where(said & (field > 0), field * weight, field)

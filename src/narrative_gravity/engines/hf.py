@@ -16,7 +16,7 @@ import torch
 from transformers import LogitsProcessor
 
 from ..control import ConstantController, StepContext, StrengthController
-from ..core import apply_gravity, apply_gravity_on_support, prune_mask
+from ..core import apply_gravity, apply_gravity_on_support, damp_repeats, prune_mask
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..fields import NarrativeField
 from ..thermo import Measurement, Trace, measure, measure_from_probs, measure_on_support
@@ -202,16 +202,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
     def _unrepeated(
         self, a: torch.Tensor, input_ids: torch.Tensor, step: int, width: int, support: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``a`` (``[V]``/``[B, V]``, or ``[S]``/``[B, S]`` on ``support``; ``width`` = V) with the positive
-        values of the tokens each row has generated scaled by ``repeat_weight`` (``[B, ...]``); unchanged
-        when off."""
-        if self.repeat_weight == 1.0 or step <= 0:
-            return a
-        said = torch.zeros(input_ids.shape[0], width, dtype=torch.bool, device=a.device)
-        said.scatter_(1, input_ids[:, -step:].clamp(0, width - 1), True)
-        if support is not None:
-            said = said[:, support]
-        return torch.where(said & (a > 0), a * self.repeat_weight, a)
+        """``a`` with the pull of the tokens each row has generated scaled by ``repeat_weight``
+        (:func:`~narrative_gravity.core.damp_repeats`)."""
+        return damp_repeats(a, input_ids, step, self.repeat_weight, width, support)
 
     def _measure(self, scores: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, out: torch.Tensor) -> Measurement:
         # A controller that already took this step's softmax (the thermostat) saves the thermometer its pass.
