@@ -15,7 +15,7 @@ runner = CliRunner()
 def test_help_lists_commands():
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0
-    for cmd in ("generate", "compare", "inspect", "reach"):
+    for cmd in ("generate", "compare", "inspect", "reach", "eval", "serve", "prune-context", "plan", "chat"):
         assert cmd in res.output
 
 

@@ -24,6 +24,12 @@ from narrative_gravity.plan import (
 ENC = hashing_encoder(256)
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch, tmp_path_factory):
+    """plan_then_write builds a semantic field by default; keep its cache out of the user's."""
+    monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path_factory.getbasetemp() / "ngcache"))
+
+
 # --------------------------------------------------------------------------------------------------
 # outlines
 
@@ -226,6 +232,25 @@ def test_a_base_field_stays_under_every_stage(tiny_tokenizer):
     assert out[0, galaxy] == 2.0 and out[0, 9] == pytest.approx(0.8) and out[0, planet] == 0.0
 
 
+def test_repeat_weight_moves_the_pull_off_written_stage_words(tiny_tokenizer):
+    tok = tiny_tokenizer
+    v = len(tok)
+    stages = [{"core_semantics": ["planet", "orbit"]}]
+    planet, orbit = _tok_id(tok, "planet"), _tok_id(tok, "orbit")
+    prompt = torch.tensor([[planet, 6], [5, 6]])  # row 0 has the word in its prompt: that does not count
+    for weight, expected in ((1.0, 2.0), (0.25, 0.5), (0.0, 0.0)):
+        proc = StagedLogitsProcessor.from_stages(
+            tok, stages, max_new_tokens=100, strength=2.0, cover_fraction=1.0, repeat_weight=weight
+        )
+        out = proc(prompt, torch.zeros(2, v))
+        assert out[:, planet].tolist() == [2.0, 2.0]
+        out = proc(torch.cat([prompt, torch.tensor([[9], [planet]])], dim=1), torch.zeros(2, v))
+        assert out[0, planet] == 2.0 and out[1, planet] == expected  # only the row that wrote it
+        assert out[:, orbit].tolist() == [2.0, 2.0]  # the stage's other word keeps its pull
+    with pytest.raises(ConfigurationError, match="repeat_weight"):
+        StagedLogitsProcessor.from_stages(tok, stages, max_new_tokens=4, repeat_weight=1.5)
+
+
 def test_multi_token_words_continue_per_stage(tiny_tokenizer):
     tok = tiny_tokenizer
     proc = StagedLogitsProcessor.from_stages(
@@ -278,30 +303,43 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
     assert all({"planet", "orbit"} <= set(s.core_semantics) for s in res.stages)
 
 
-def test_plan_then_write_with_a_semantic_base(tiny_model, monkeypatch, tmp_path):
+def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny_model, monkeypatch):
+    from narrative_gravity.control import ConstantController, ThermostatController
+    from narrative_gravity.profile import TOPIC_DEFAULTS
+
     model, tok = tiny_model
-    monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path))
     built = []
     real = plan_mod.StagedLogitsProcessor.from_stages
 
     def spy(tokenizer, stages, **kw):
-        built.append(kw.get("base"))
+        built.append(kw)
         return real(tokenizer, stages, **kw)
 
     monkeypatch.setattr(plan_mod.StagedLogitsProcessor, "from_stages", spy)
-    res = plan_then_write(
-        model,
-        tok,
-        "the planet and its orbit",
-        n_drafts=2,
-        outline_tokens=8,
-        max_new_tokens=6,
-        encoder=ENC,
-        semantic=True,
-    )
+    kw = {"n_drafts": 2, "outline_tokens": 8, "max_new_tokens": 6, "encoder": ENC}
+    res = plan_then_write(model, tok, "the planet and its orbit", **kw)
     assert 0 < res.write_tokens <= 6
-    (base,) = built
-    assert isinstance(base, NarrativeField) and int((base.values > 0).sum()) > 0
+    (default,) = built
+    # the semantic field of the prompt's words under every stage
+    assert isinstance(default["base"], NarrativeField) and int((default["base"].values > 0).sum()) > 0
+    # the topic default's thermostat, and a written stage word stops pulling
+    ctrl = default["controller"]
+    assert isinstance(ctrl, ThermostatController) and default["repeat_weight"] == 0.0
+    knobs = TOPIC_DEFAULTS["thermostat"]
+    assert ctrl._rows == (knobs["max_strength"],) and ctrl.strict_target == knobs["strict_target"]
+    # the earlier pull: lexical stages alone, constant λ, no repeat damping
+    plan_then_write(
+        model, tok, "the planet", schedule="constant", strength=2.0, semantic=False, repeat_weight=1.0, **kw
+    )
+    earlier = built[-1]
+    assert earlier["base"] is None and earlier["repeat_weight"] == 1.0
+    assert isinstance(earlier["controller"], ConstantController) and earlier["controller"]._rows == (2.0,)
+    plan_then_write(model, tok, "the planet", strength=1.5, semantic=False, **kw)
+    assert built[-1]["controller"]._rows == (1.5,)  # λ_max of the thermostat
+    with pytest.raises(ConfigurationError, match="schedule"):
+        plan_then_write(model, tok, "the planet", schedule="cosine", **kw)
+    with pytest.raises(ConfigurationError, match="strength"):
+        plan_then_write(model, tok, "the planet", strength=-1.0, **kw)
 
 
 def test_plan_then_write_from_the_best_of_several_openings(tiny_model, monkeypatch):
@@ -397,6 +435,9 @@ def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
     assert pulled == [(2.0, 0.0), (2.0, 0.0), (0.0, 2.0), (0.0, 2.0)]
     assert trace.to_numpy()["strength"].tolist() == [[2.0] * 4]
     assert (trace.to_numpy()["kl"] > 0).all()
+    assert proc.repeat_weight == 1.0
+    damped = processor_from_profile(_staged_profile(field={"repeat_weight": 0.0}), tok, max_new_tokens=8)
+    assert damped.repeat_weight == 0.0  # the profile's field.repeat_weight reaches the stages
 
 
 def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(tiny_tokenizer):
@@ -425,3 +466,35 @@ def test_profile_stage_errors_name_the_key(stages, message):
 
     with pytest.raises(ProfileError, match=message):
         Profile.from_mapping({"core_semantics": ["x"], "stages": stages})
+
+
+# --------------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_cli_plan_prints_the_drafts_stages_and_text(tiny_model, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from narrative_gravity.cli import app
+
+    model, tok = tiny_model
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = tmp_path / "plan.json"
+    args = ["plan", "--prompt", "the planet and its orbit", "--model", str(model_dir), "--drafts", "3"]
+    args += ["--outline-tokens", "10", "--max-new-tokens", "8", "--encoder", "hashing", "--json", str(out)]
+    args += ["--no-semantic", "--openings", "2", "--opening-tokens", "3"]  # the semantic base is tested above
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "3 outline drafts" in res.output and "stage 1" in res.output and "drafting +" in res.output
+    saved = json.loads(out.read_text())
+    assert len(saved["outlines"]) == 3 and saved["stages"] and saved["draft_tokens"] <= 30
+    assert f"{saved['draft_tokens']} drafting + {saved['write_tokens']} writing" in res.output
+    assert saved["text"].split()[0][:15] in res.output  # the written text is printed
+    bad = CliRunner().invoke(app, ["plan", "--prompt", "x", "--model", str(model_dir), "--encoder", "nope"])
+    assert bad.exit_code == 2 and "--encoder must be minilm or hashing" in bad.output
+    bad = CliRunner().invoke(app, ["plan", "--prompt", "x", "--model", str(model_dir), "--schedule", "cosine"])
+    assert bad.exit_code == 2 and "--schedule must be thermostat or constant" in bad.output

@@ -483,6 +483,93 @@ def prune_context_command(
 
 
 @app.command()
+def plan(
+    prompt: Annotated[str, typer.Option("--prompt", help="what to write")],
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="profile: its narrative scores the drafts, its words join stages")
+    ] = None,
+    model: ModelOpt = None,
+    drafts: Annotated[int, typer.Option("--drafts", min=1, help="outline drafts to sample (one batch)")] = 2,
+    sections: Annotated[int, typer.Option("--sections", min=1, help="sections per outline")] = 3,
+    outline_tokens: Annotated[int, typer.Option("--outline-tokens", min=1, help="token budget per draft")] = 28,
+    max_new_tokens: MaxNewOpt = 128,
+    strength: Annotated[
+        float | None,
+        typer.Option("--strength", min=0.0, help="λ_max of the thermostat (4.25), or λ with --schedule constant (3)"),
+    ] = None,
+    schedule: Annotated[
+        str, typer.Option("--schedule", help="thermostat (the topic default) or constant")
+    ] = "thermostat",
+    semantic: Annotated[
+        bool, typer.Option("--semantic/--no-semantic", help="keep the prompt's semantic field under every stage")
+    ] = True,
+    openings: Annotated[
+        int, typer.Option("--openings", min=1, help="write from the best of K openings (1 = one text)")
+    ] = 3,
+    opening_tokens: Annotated[int, typer.Option("--opening-tokens", min=1, help="tokens per opening")] = 24,
+    raw: RawOpt = False,
+    seed: SeedOpt = 0,
+    encoder: Annotated[
+        str, typer.Option("--encoder", help="scores the drafts: minilm (default) or hashing (word overlap only)")
+    ] = "minilm",
+    json_out: Annotated[Path | None, typer.Option("--json", help="save the plan, drafts and text as JSON")] = None,
+) -> None:
+    """Plan-then-write: draft outlines, keep the best, and write along its sections with a staged field.
+
+    Example: ngrav plan --prompt "Write a short article about coral reefs." --max-new-tokens 128
+    """
+    from rich.console import Console
+    from rich.markup import escape
+
+    from .context import hashing_encoder
+    from .plan import plan_table, plan_then_write
+    from .profile import load_profile
+
+    if encoder not in ("minilm", "hashing"):
+        _fail(f"--encoder must be minilm or hashing, got {encoder!r}")
+    if schedule not in ("thermostat", "constant"):
+        _fail(f"--schedule must be thermostat or constant, got {schedule!r}")
+    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    m, tok = _load(model)
+    console = Console()
+    with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
+        res = _run_guarded(
+            lambda: plan_then_write(
+                m,
+                tok,
+                prompt,
+                profile=prof,
+                n_drafts=drafts,
+                sections=sections,
+                outline_tokens=outline_tokens,
+                max_new_tokens=max_new_tokens,
+                strength=strength,
+                schedule=schedule,
+                semantic=semantic,
+                openings=openings,
+                opening_tokens=opening_tokens,
+                raw=True if raw else None,
+                seed=seed,
+                encoder=hashing_encoder() if encoder == "hashing" else None,
+            )
+        )
+    console.print(plan_table(res))
+    for i, st in enumerate(res.stages, 1):
+        console.print(
+            f"[bold]stage {i}[/] ({st.share:.0%}): {escape(st.name)} [dim]<- {escape(', '.join(st.core_semantics))}[/]",
+            highlight=False,
+        )
+    console.print(escape(res.text), highlight=False)
+    console.print(
+        f"[dim]tokens: {res.draft_tokens} drafting + {res.write_tokens} writing = {res.generated_tokens}; "
+        f"final stage {[s + 1 for s in res.final_stage]}; {res.seconds:.1f} s[/]",
+        highlight=False,
+    )
+    if json_out is not None:
+        json_out.write_text(json.dumps(res.to_json(), indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+@app.command()
 def chat(
     profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
     model: ModelOpt = None,

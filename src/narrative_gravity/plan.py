@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .control import ConstantController, StepContext, StrengthController
-from .core import apply_gravity
+from .core import apply_gravity, damp_repeats
 from .errors import ConfigurationError, FieldError
 from .fields import NarrativeField, combine_fields
 from .fields.lexical import build_lexical_field, reach, surface_forms
@@ -55,6 +55,7 @@ __all__ = [
     "outline_prompt",
     "parse_outline",
     "parse_stages",
+    "plan_table",
     "plan_then_write",
     "score_outlines",
     "select_outlines",
@@ -67,7 +68,8 @@ Encoder = Callable[[Sequence[str]], Any]
 _OUTLINE_WORDS = word_set(
     "introduction conclusion overview summary section part intro body final first second third fourth fifth "
     "discuss discussion discussing discusses explore exploring talk talks brief briefly key main important "
-    "including include includes example examples title outline short article essay story paragraph text post blog"
+    "including include includes example examples title outline short article essay story paragraph text post blog "
+    "rewritten rewrite version revised numbered point points"
 )
 
 
@@ -157,6 +159,9 @@ class StagedLogitsProcessor(LogitsProcessor):
         cover_fraction: a stage is covered once this share of its words (at least one) has been generated.
         trace: a :class:`~narrative_gravity.thermo.Trace` to record entropy, mass (on the current stage's
             field), KL and λ per row and step; ``None`` = off.
+        repeat_weight: the share of its pull a stage word's token keeps once the row has generated it
+            (``1`` = off, ``0`` = a token pulls until it is written, then the pull moves to the stage's other
+            words; :func:`~narrative_gravity.core.damp_repeats`).
 
     ``stage`` holds each row's current stage after a call (``[B]``). Scores are returned as a new tensor.
     """
@@ -172,6 +177,7 @@ class StagedLogitsProcessor(LogitsProcessor):
         max_new_tokens: int,
         cover_fraction: float = 0.5,
         trace: Trace | None = None,
+        repeat_weight: float = 1.0,
     ) -> None:
         if not fields or any(not isinstance(f, NarrativeField) for f in fields):
             raise ConfigurationError("`fields` has to be a non-empty list of NarrativeField, one per stage")
@@ -185,6 +191,13 @@ class StagedLogitsProcessor(LogitsProcessor):
             raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
         if not 0 < cover_fraction <= 1:
             raise ConfigurationError(f"`cover_fraction` has to be in (0, 1], but is {cover_fraction!r}")
+        if (
+            isinstance(repeat_weight, bool)
+            or not isinstance(repeat_weight, (int, float))
+            or not 0 <= repeat_weight <= 1
+        ):
+            raise ConfigurationError(f"`repeat_weight` has to be a number in [0, 1], but is {repeat_weight!r}")
+        self.repeat_weight = float(repeat_weight)
         self.controller = controller if controller is not None else ConstantController(strength)
         self.max_new_tokens = max_new_tokens
         n = len(fields)
@@ -339,6 +352,7 @@ class StagedLogitsProcessor(LogitsProcessor):
         a = self._field(input_ids)
         if a.shape[1] < scores.shape[1]:
             a = torch.nn.functional.pad(a, (0, scores.shape[1] - a.shape[1]))
+        a = damp_repeats(a, input_ids, step, self.repeat_weight, a.shape[1])
         ctx = StepContext(
             step=step,
             max_new_tokens=self.max_new_tokens,
@@ -480,14 +494,23 @@ def select_outlines(
 
 
 def stages_from_outline(
-    outline: Outline | Sequence[str], *, words_per_stage: int = 6, extra_words: Sequence[str] = ()
+    outline: Outline | Sequence[str],
+    *,
+    words_per_stage: int = 6,
+    extra_words: Sequence[str] = (),
+    ignore: Collection[str] = (),
 ) -> list[Stage]:
-    """One stage per section: its first ``words_per_stage`` content words (boilerplate like "introduction"
-    left out) plus ``extra_words`` (e.g. the profile's core words), equal shares."""
+    """One stage per section: its first ``words_per_stage`` content words (boilerplate like "introduction",
+    and the words in ``ignore``, left out) plus ``extra_words`` (e.g. the profile's core words), equal shares.
+
+    >>> [s.core_semantics for s in stages_from_outline(["Here's a rewritten version: exactly 3 points", "Magma"],
+    ...                                                 extra_words=["volcano"], ignore={"exactly"})]
+    [['volcano'], ['magma', 'volcano']]
+    """
     sections = outline.sections if isinstance(outline, Outline) else list(outline)
     stages = []
     for i, sec in enumerate(sections):
-        ws = [w for w in content_words(sec) if w not in _OUTLINE_WORDS and w not in STOPWORDS]
+        ws = [w for w in content_words(sec) if w not in _OUTLINE_WORDS and w not in STOPWORDS and w not in ignore]
         ws = list(dict.fromkeys(ws))[:words_per_stage]
         ws += [w for w in extra_words if w not in ws]
         if ws:
@@ -557,6 +580,44 @@ class PlanResult:
         }
 
 
+def plan_table(result: PlanResult, *, width: int = 48) -> Any:
+    """A ``rich`` table of the outline drafts, the kept one first, with their scores and sections."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"{len(result.outlines)} outline drafts ({result.draft_tokens} tokens)")
+    for col in ("kept", "score", "fit", "coherence", "complete", "sections"):
+        table.add_column(col, justify="left" if col in ("kept", "sections") else "right")
+    for o in sorted(result.outlines, key=lambda o: (o is not result.outline, -o.score)):
+        secs = " | ".join(x if len(x) <= width else x[: width - 1] + "…" for x in o.sections) or "(none)"
+        table.add_row(
+            "[green]yes[/]" if o is result.outline else "[red]no[/]",
+            f"{o.score:.3f}",
+            f"{o.fit:.3f}",
+            f"{o.coherence:.3f}",
+            f"{o.completeness:.2f}",
+            escape(secs),
+        )
+    return table
+
+
+def _writing_controller(schedule: str, strength: float | None) -> StrengthController:
+    """The plan's pull: the topic default's thermostat, or a constant λ."""
+    from .control import ThermostatController
+    from .profile import TOPIC_DEFAULTS
+
+    if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float)) or strength < 0):
+        raise ConfigurationError(f"`strength` has to be a number >= 0, but is {strength!r}")
+    if schedule == "thermostat":
+        knobs = dict(TOPIC_DEFAULTS["thermostat"])
+        if strength is not None:
+            knobs["max_strength"] = float(strength)
+        return ThermostatController(**knobs)
+    if schedule == "constant":
+        return ConstantController(3.0 if strength is None else float(strength))
+    raise ConfigurationError(f"`schedule` has to be 'thermostat' or 'constant', but is {schedule!r}")
+
+
 def plan_then_write(
     model: Any,
     tokenizer: Any,
@@ -564,11 +625,12 @@ def plan_then_write(
     *,
     profile: Any = None,
     stages: Sequence[Stage] | Sequence[Mapping[str, Any]] | None = None,
-    n_drafts: int = 4,
+    n_drafts: int = 2,
     sections: int = 3,
-    outline_tokens: int = 40,
+    outline_tokens: int = 28,
     max_new_tokens: int = 160,
-    strength: float = 3.0,
+    strength: float | None = None,
+    schedule: str = "thermostat",
     cover_fraction: float = 0.5,
     temperature: float = 1.0,
     top_k: int = 10,
@@ -577,10 +639,12 @@ def plan_then_write(
     include_outline: bool = False,
     raw: bool | None = None,
     prompt_words: int = 4,
-    semantic: bool = False,
+    semantic: bool = True,
     semantic_weight: float = 1.0,
-    openings: int = 1,
-    opening_tokens: int = 32,
+    openings: int = 3,
+    opening_tokens: int = 24,
+    repeat_weight: float = 0.0,
+    controller: StrengthController | None = None,
 ) -> PlanResult:
     """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a :class:`StagedLogitsProcessor`.
 
@@ -589,10 +653,16 @@ def plan_then_write(
     prompt they lead the text away; see ``docs/pruning.md``). With ``stages`` given by hand, no outline is
     drafted. A ``profile`` adds its narrative to the outline
     score and its core words to every stage; without one, the prompt's first ``prompt_words`` content words
-    join every stage. With ``semantic=True`` every stage also keeps the semantic field (MiniLM neighbours,
-    :func:`~narrative_gravity.fields.build_semantic_field`) of those words under its own, at
+    join every stage. With ``semantic=True`` (the default) every stage also keeps the semantic field (MiniLM
+    neighbours, :func:`~narrative_gravity.fields.build_semantic_field`) of those words under its own, at
     ``semantic_weight``: the sections say where the text goes next, the semantic field keeps all of it on
     the prompt's topic.
+
+    The pull is the package's topic default (:data:`~narrative_gravity.profile.TOPIC_DEFAULTS`): with
+    ``schedule="thermostat"`` a :class:`~narrative_gravity.control.ThermostatController` with λ_max
+    ``strength`` (default 4.25) and targets 0.4 / 0.6 / 0.8, and ``repeat_weight=0`` (a stage word's token
+    stops pulling once written, so the pull moves on through the stage). ``schedule="constant"`` pulls with
+    a constant λ = ``strength`` (default 3). ``controller`` replaces both.
 
     With ``openings > 1`` the text is written in two parts (branch pruning): ``openings`` sampled openings
     of ``opening_tokens`` tokens, all under the staged field and in one batch; the one closest to the prompt
@@ -603,6 +673,8 @@ def plan_then_write(
         raise ConfigurationError(f"`openings` has to be a whole number >= 1, but is {openings!r}")
     if isinstance(opening_tokens, bool) or not isinstance(opening_tokens, int) or opening_tokens < 1:
         raise ConfigurationError(f"`opening_tokens` has to be a whole number >= 1, but is {opening_tokens!r}")
+    if controller is None:
+        controller = _writing_controller(schedule, strength)
     from .context import narrative_text
     from .generation import SamplingOptions, generate
 
@@ -636,7 +708,9 @@ def plan_then_write(
             encoder=encoder,
         )
         best = select_outlines(outlines, 1)[0]
-        plan = stages_from_outline(best, extra_words=extra)
+        # a draft that echoes the instruction ("exactly 3 numbered points") must not pull toward it
+        echo = set(content_words(outline_prompt("", sections))) - set(content_words(prompt))
+        plan = stages_from_outline(best, extra_words=extra, ignore=echo)
     else:
         plan = parse_stages(stages)
     base = None
@@ -661,7 +735,8 @@ def plan_then_write(
         plan,
         base=base,
         base_weight=semantic_weight,
-        strength=strength,
+        controller=controller,
+        repeat_weight=repeat_weight,
         max_new_tokens=max_new_tokens,
         cover_fraction=cover_fraction,
     )
@@ -685,7 +760,8 @@ def plan_then_write(
                 "base": base,
                 "base_weight": semantic_weight,
                 "cover_fraction": cover_fraction,
-                "strength": strength,
+                "controller": controller,
+                "repeat_weight": repeat_weight,
             },
         )
     else:

@@ -31,7 +31,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ProfileError
 from .fields.lexical import expand_keywords
 
-__all__ = ["FieldOptions", "Phases", "Profile", "StageSpec", "Thermostat", "load_profile"]
+__all__ = ["TOPIC_DEFAULTS", "FieldOptions", "Phases", "Profile", "StageSpec", "Thermostat", "load_profile"]
+
+# The default topic pull, for a narrative given by nothing but topic words: `ngrav eval --profile auto` starts
+# from it (replacing `core_semantics` by each topic's words), `profiles/topic.yaml` spells it out, and
+# `plan_then_write` writes with it. A semantic field (MiniLM neighbours of the words) under the thermostat; a
+# word once written stops pulling (`repeat_weight` 0), so the pull moves on through the topic; a firm
+# thermostat (λ_max 4.25, targets 0.4 / 0.6 / 0.8). Chosen on the `topics-tune` split, never on held-out words
+# (docs/benchmarks.md).
+TOPIC_DEFAULTS: dict[str, Any] = {
+    "schedule": "thermostat",
+    "field": {"mode": "semantic", "repeat_weight": 0.0},
+    "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
+}
 
 
 class _Strict(BaseModel):

@@ -162,6 +162,7 @@ def processor_from_profile(
             controller=controller_from_profile(profile),
             max_new_tokens=max_new_tokens,
             trace=trace,
+            repeat_weight=profile.field.repeat_weight,
         )
     return NarrativeGravityLogitsProcessor(
         field,

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, NarrativeGravityError
-from ..profile import Profile
+from ..profile import TOPIC_DEFAULTS, Profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
 from .prompts import TOPICS, TOPICS_TUNE, EvalPrompt, limit_prompts, load_prompts
@@ -43,15 +43,8 @@ FAILURES = "failures.jsonl"
 RUN_FILE = "run.json"
 TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
 # The default topic profile, which `--profile auto` starts from; `core_semantics` is replaced by each topic's
-# conditioning words. A semantic field (MiniLM neighbours of the words) under the thermostat; a word once
-# written stops pulling (`repeat_weight` 0), so the pull moves on through the topic; a firm thermostat
-# (λ_max 4.25, targets 0.4 / 0.6 / 0.8). Chosen on the `topics-tune` split, never on held-out words
-# (docs/benchmarks.md).
-AUTO_DEFAULTS: dict[str, Any] = {
-    "schedule": "thermostat",
-    "field": {"mode": "semantic", "repeat_weight": 0.0},
-    "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
-}
+# conditioning words (see `TOPIC_DEFAULTS`).
+AUTO_DEFAULTS: dict[str, Any] = TOPIC_DEFAULTS
 
 
 @dataclass(frozen=True)
