@@ -5,27 +5,39 @@ For every topic prompt and seed, on SmolLM2-135M-Instruct (sampling: temperature
 - ``best-of-4``: four full generations of ``--new-tokens`` tokens in one batch; the one whose MiniLM cosine to
   the topic sentence is highest is kept (an oracle choice: it is picked with the very metric it is scored on).
   Cost: the tokens of all four and the batch's seconds.
-- ``plan``: :func:`narrative_gravity.plan.plan_then_write`: four outline drafts of at most ``--outline-tokens``
-  tokens in one batch, the best by fit and coherence kept, then one generation of ``--new-tokens`` tokens with
-  the outline in the prompt and the staged field pulling toward the current section. Cost: drafts + text.
+- ``best-of-4, picked by the prompt``: the same four samples, but the one kept is the one a deployed best-of-4
+  could pick: the highest MiniLM cosine to the *prompt* (the topic sentence is the evaluation's, unseen). The
+  plan's openings pick with the same scorer.
+- ``plan``: :func:`narrative_gravity.plan.plan_then_write` with its defaults: ``--drafts`` (2) outline drafts
+  of at most ``--outline-tokens`` (28) tokens in one batch, the best by fit and coherence kept; then
+  ``--openings`` (3) openings of ``--opening-tokens`` (24) tokens sampled in one batch under the staged field,
+  the one closest to the prompt kept and continued to ``--new-tokens`` tokens in all. The outline is written
+  into the prompt, and the staged field pulls toward the current section (the semantic field of the prompt's
+  topic words under every stage, the topic default's thermostat, repeat weight 0). Cost: drafts + every
+  opening + the continuation.
 - ``plan, fields only``: the same plan, but the outline is not written into the prompt: only the staged
   field carries it (SmolLM2-135M's outlines are often poor, and in the prompt they can lead the text away).
-- ``plan, semantic`` (``--semantic``): fields only, with every stage also keeping the semantic field
-  (MiniLM neighbours) of the prompt's topic words under its own (``plan_then_write(semantic=True)``).
-- ``plan, K openings`` (``--openings K``): fields only, with ``--opening-drafts`` outline drafts, and the text
-  written from the best of K sampled openings of ``--opening-tokens`` tokens (closest to the prompt), so that
-  drafts, openings and text together stay within half of best-of-4's tokens.
-- ``plan, no pull`` (``--ablation``): the same with strength 0 (only the outline in the prompt), to separate
-  the two effects.
+  This is ``plan_then_write``'s default.
+- ``plan, one text`` (``--one-text-arm``): fields only, with four outline drafts and one text of
+  ``--new-tokens`` tokens (no openings).
+- ``plan, constant λ (earlier default)`` (``--constant-arm``): four drafts, one text, with the earlier pull:
+  lexical stage fields alone, a constant λ = 3, repeat weight 1.
+- ``plan, no pull`` (``--ablation``): the first arm with strength 0 (only the outline in the prompt), to
+  separate the two effects.
 - ``best-of-k`` for k = 1..4 from the same four samples (the mean over all k-subsets of the best relevance), to
   read the cost at which sampling more reaches the plan's relevance.
 
 Relevance: MiniLM cosine of the final text to the topic sentence. Intervals: percentile bootstrap over prompts
-and seeds (paired for differences).
+and seeds (paired for differences). Fluency (unless ``--no-judge``): the median judge perplexity (Gemma 3 270M,
+given the prompt) of each method's kept text, and of all four samples ("samples", i.e. plain decoding).
+
+Topics 0-7 are the first set (``--topics 8``, the default); 8-15 were added later as a held-out set
+(``--first-topic 8 --topics 8``).
 
 Run::
 
-    python bench/plan_pruning.py --seeds 1 --new-tokens 128 --outline-tokens 32 --json bench/plan_pruning.json
+    python bench/plan_pruning.py --first-topic 4 --topics 12 --seeds 3 --no-outline-arm --one-text-arm \
+        --json bench/results/plan_pruning_heldout.json
 """
 
 from __future__ import annotations
@@ -50,6 +62,15 @@ TOPICS = [
     ("Write a short article about the invention of the printing press.", "the printing press, books and printing"),
     ("Write a short article about coral reefs.", "coral reefs, the ocean and marine life"),
     ("Write a short article about saving money on a small budget.", "saving money, budgets and personal finance"),
+    # 8-15: added after the repeat weight was chosen on topics 0-3, as a held-out set
+    ("Write a short article about the life cycle of a butterfly.", "butterflies, caterpillars and metamorphosis"),
+    ("Write a short article about how solar panels produce electricity.", "solar panels, sunlight and electricity"),
+    ("Write a short article about the history of the Olympic Games.", "the Olympic Games, athletes and sport"),
+    ("Write a short article about growing tomatoes in a home garden.", "gardening and growing tomatoes"),
+    ("Write a short article about how earthquakes happen.", "earthquakes, faults and tectonic plates"),
+    ("Write a short article about learning a second language.", "learning a foreign language"),
+    ("Write a short article about how bread is baked.", "baking bread with flour, dough and yeast"),
+    ("Write a short article about the migration of birds.", "bird migration and flight"),
 ]
 
 
@@ -58,23 +79,62 @@ def _rel(enc: Any, texts: list[str], topic: str) -> list[float]:
     return [float(x) for x in e[1:] @ e[0]]
 
 
+PICKED = "best4, picked by the prompt"
+CONSTANT = "plan, constant λ (earlier default)"
+
+
+def _judge(rows: list[dict[str, Any]], plans: list[str]) -> None:
+    """Judge perplexity (Gemma 3 270M, given the prompt) of every text: best-of-4's pick, all four samples,
+    each plan arm's text. A pull that stuffs topic words into broken prose shows here."""
+    from narrative_gravity.eval.judge import load_judge
+
+    judge = load_judge()
+    ctx, texts, where = [], [], []
+    for i, r in enumerate(rows):
+        for name in ["best4", PICKED, *plans]:
+            ctx.append(r["prompt"])
+            texts.append(r[name]["text"])
+            where.append((i, name))
+        for j, t in enumerate(r["sample_texts"]):
+            ctx.append(r["prompt"])
+            texts.append(t)
+            where.append((i, f"sample {j}"))
+    for (i, name), ppl in zip(where, judge.perplexity(ctx, texts)):
+        if name.startswith("sample"):
+            rows[i].setdefault("samples_judge_ppl", []).append(ppl)
+        else:
+            rows[i][name]["judge_ppl"] = ppl
+
+
+def _ppl_of(row: dict[str, Any], name: str) -> list[float]:
+    vals = row["samples_judge_ppl"] if name == "samples" else [row[name]["judge_ppl"]]
+    return [v for v in vals if v == v]  # NaN: an empty text
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--topics", type=int, default=len(TOPICS))
-    ap.add_argument("--first-topic", type=int, default=0, help="start at this topic (0-7)")
+    ap.add_argument("--topics", type=int, default=8, help="how many topics (default 8: the first set)")
+    ap.add_argument("--first-topic", type=int, default=0, help=f"start at this topic (0-{len(TOPICS) - 1})")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--outline-tokens", type=int, default=32)
-    ap.add_argument("--strength", type=float, default=3.0)
+    ap.add_argument("--outline-tokens", type=int, default=28)
+    ap.add_argument("--strength", type=float, default=None, help="λ_max of the plan's pull (default 4.25)")
+    ap.add_argument(
+        "--constant-arm",
+        action="store_true",
+        help="also run the earlier default: lexical stages only, constant λ 3, repeat weight 1",
+    )
     ap.add_argument("--ablation", action="store_true", help="also run plan-then-write with strength 0")
-    ap.add_argument("--semantic", action="store_true", help="also run fields only with the semantic base field")
-    ap.add_argument("--semantic-strength", type=float, default=None, help="strength of that arm (default --strength)")
-    ap.add_argument("--openings", type=int, default=0, help="also run fields only from the best of K openings")
+    ap.add_argument("--drafts", type=int, default=2, help="outline drafts of the plan")
+    ap.add_argument("--openings", type=int, default=3, help="openings the plan picks from (1 = one text)")
     ap.add_argument("--opening-tokens", type=int, default=24)
-    ap.add_argument("--opening-drafts", type=int, default=3, help="outline drafts for the openings arm")
+    ap.add_argument("--one-text-arm", action="store_true", help="also run four drafts and one text")
     ap.add_argument("--no-outline-arm", action="store_true", help="skip the arm with the outline in the prompt")
+    ap.add_argument("--no-judge", action="store_true", help="skip the judge perplexity (Gemma 3 270M)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not 0 <= args.first_topic < len(TOPICS) or args.topics < 1:
+        ap.error(f"--first-topic has to be in 0-{len(TOPICS) - 1} and --topics at least 1")
 
     import torch
 
@@ -93,37 +153,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         samples = generate(model, tok, [prompt] * 4, options=opts, batch_size=4)
         best_s = time.perf_counter() - t0
         rel = _rel(encode, [s.text for s in samples], topic)
+        fit = _rel(encode, [s.text for s in samples], prompt)  # what a deployed best-of-4 can see
+        pick = int(np.argmax(fit))
+        best4_tokens = sum(s.new_tokens for s in samples)
         row: dict[str, Any] = {
             "prompt": prompt,
             "seed": seed,
             "samples_relevance": rel,
-            "best4": {"relevance": max(rel), "tokens": sum(s.new_tokens for s in samples), "seconds": best_s},
+            "best4": {
+                "relevance": max(rel),
+                "tokens": best4_tokens,
+                "seconds": best_s,
+                "text": samples[int(np.argmax(rel))].text,
+            },
+            PICKED: {"relevance": rel[pick], "tokens": best4_tokens, "seconds": best_s, "text": samples[pick].text},
             "best_k": {k: float(np.mean([max(c) for c in itertools.combinations(rel, k)])) for k in range(1, 5)},
             "sample_tokens": statistics.mean(s.new_tokens for s in samples),
         }
-        arms = [] if args.no_outline_arm else [("plan", args.strength, True, False, 1)]
-        arms += [("plan, fields only", args.strength, False, False, 1)]
-        if args.semantic:
-            arms += [("plan, semantic", args.semantic_strength or args.strength, False, True, 1)]
-        if args.openings > 1:
-            arms += [(f"plan, {args.openings} openings", args.strength, False, False, args.openings)]
-        arms += [("plan, no pull", 0.0, True, False, 1)] if args.ablation else []
-        for name, strength, in_prompt, semantic, openings in arms:
-            res = plan_then_write(
-                model,
-                tok,
-                prompt,
-                n_drafts=4 if openings == 1 else args.opening_drafts,
-                outline_tokens=args.outline_tokens,
-                max_new_tokens=args.new_tokens,
-                strength=strength,
-                seed=seed,
-                encoder=encode,
-                include_outline=in_prompt,
-                semantic=semantic,
-                openings=openings,
-                opening_tokens=args.opening_tokens,
-            )
+        common = {"outline_tokens": args.outline_tokens, "max_new_tokens": args.new_tokens, "seed": seed}
+        main_plan = {"n_drafts": args.drafts, "openings": args.openings, "opening_tokens": args.opening_tokens}
+        one_text = {"n_drafts": 4, "openings": 1}
+        arms: list[tuple[str, dict[str, Any]]] = []
+        if not args.no_outline_arm:
+            arms += [("plan", {**main_plan, "strength": args.strength, "include_outline": True})]
+        arms += [("plan, fields only", {**main_plan, "strength": args.strength})]
+        if args.one_text_arm:
+            arms += [("plan, one text", {**one_text, "strength": args.strength})]
+        if args.constant_arm:
+            earlier = {"schedule": "constant", "strength": 3.0, "semantic": False, "repeat_weight": 1.0}
+            arms += [(CONSTANT, {**one_text, **earlier})]
+        if args.ablation:
+            arms += [("plan, no pull", {**main_plan, "strength": 0.0, "include_outline": True})]
+        for name, kwargs in arms:
+            res = plan_then_write(model, tok, prompt, encoder=encode, **common, **kwargs)
             row[name] = {
                 "relevance": _rel(encode, [res.text], topic)[0],
                 "tokens": res.generated_tokens,
@@ -132,16 +194,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "outline": res.outline.sections if res.outline else [],
                 "text": res.text,
             }
-        row["best4_text"] = samples[int(np.argmax(rel))].text
+        row["sample_texts"] = [s.text for s in samples]
         rows.append(row)
-        plans = [a[0] for a in arms]
+        plans = [name for name, _ in arms]
         print(
             f"{prompt[:50]:50s} best4 {row['best4']['relevance']:.3f} ({row['best4']['tokens']} tok) "
             + " ".join(f"{n} {row[n]['relevance']:.3f} ({row[n]['tokens']} tok)" for n in plans),
             flush=True,
         )
 
-    names = ["best4", *plans]
+    names = ["best4", PICKED, *plans]
+    if not args.no_judge:
+        _judge(rows, plans)
     summary: dict[str, Any] = {}
     print("\n| method | topic relevance [95% CI] | generated tokens (mean) | seconds (mean) |")
     print("|---|---|---|---|")
@@ -158,7 +222,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         secs = statistics.mean(r[name]["seconds"] for r in rows)
         summary[name] = {"relevance": (m, lo, hi), "tokens": toks, "seconds": secs}
         print(f"| {name} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {toks:.0f} | {secs:.2f} |")
+    if not args.no_judge:
+        print("\n| text | judge perplexity (median) | / best-of-4's |")
+        print("|---|---|---|")
+        ref = statistics.median(r["best4"]["judge_ppl"] for r in rows)
+        for name in ["samples", *names]:
+            med = statistics.median(x for r in rows for x in _ppl_of(r, name))
+            summary.setdefault(name, {})["judge_ppl"] = med
+            print(f"| {name} | {med:.2f} | {med / ref:.2f} |")
     diffs = {n: mean_ci([r[n]["relevance"] - r["best4"]["relevance"] for r in rows]) for n in plans}
+    diffs_picked = {n: mean_ci([r[n]["relevance"] - r[PICKED]["relevance"] for r in rows]) for n in plans}
     ratios = {n: summary[n]["tokens"] / summary["best4"]["tokens"] for n in plans}
     for n in plans:
         d = diffs[n]
@@ -169,11 +242,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"seconds ratio {summary[n]['seconds'] / summary['best4']['seconds']:.2f}; smallest best-of-k reaching "
             "its mean relevance: " + (f"k={k}" if k else "none of k<=4")
         )
+        d = diffs_picked[n]
+        print(f"{n} - best4 picked by the prompt: {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]")
     result = {
         "args": vars(args),
         "machine": machine(torch.get_num_threads()),
         "summary": summary,
         "minus_best4": diffs,
+        "minus_best4_picked": diffs_picked,
         "token_ratio": ratios,
         "rows": rows,
     }
