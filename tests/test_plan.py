@@ -25,9 +25,11 @@ ENC = hashing_encoder(256)
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(monkeypatch, tmp_path_factory):
-    """plan_then_write builds a semantic field by default; keep its cache out of the user's."""
-    monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path_factory.getbasetemp() / "ngcache"))
+def _private_cache(request, monkeypatch, tmp_path_factory):
+    """plan_then_write builds a semantic field by default: the tiny model's stay out of the user's cache (the
+    real model's tests keep it, with the converted model in it)."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path_factory.getbasetemp() / "ngcache"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,3 +500,22 @@ def test_cli_plan_prints_the_drafts_stages_and_text(tiny_model, tmp_path):
     assert bad.exit_code == 2 and "--encoder must be minilm or hashing" in bad.output
     bad = CliRunner().invoke(app, ["plan", "--prompt", "x", "--model", str(model_dir), "--schedule", "cosine"])
     assert bad.exit_code == 2 and "--schedule must be thermostat or constant" in bad.output
+
+
+# --------------------------------------------------------------------------------------------------
+# the real default model
+
+
+@pytest.mark.slow
+def test_real_model_plan_then_write_with_the_defaults():
+    from narrative_gravity.models import load_model
+
+    model, tok = load_model()
+    res = plan_then_write(model, tok, "Write a short article about coral reefs.", max_new_tokens=64, seed=0)
+    assert len(res.outlines) == 2 and 0 < res.draft_tokens <= 2 * 28  # two drafts of at most 28 tokens
+    # three openings of 24 tokens, then the kept one continued to 64 tokens in all
+    assert 3 * 24 < res.write_tokens <= 3 * 24 + (64 - 24)
+    assert all({"coral", "reefs"} <= set(s.core_semantics) for s in res.stages)
+    assert not {"numbered", "exactly"} & {w for s in res.stages for w in s.core_semantics}
+    assert "coral" in res.text.lower() or "reef" in res.text.lower()
+    assert len(res.final_stage) == 1 and 0 <= res.final_stage[0] < len(res.stages)
