@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import time
 from typing import Any
@@ -81,6 +82,7 @@ def _rel(enc: Any, texts: list[str], topic: str) -> list[float]:
 
 PICKED = "best4, picked by the prompt"
 CONSTANT = "plan, constant λ (earlier default)"
+LABELS = {PICKED: "best-of-4, picked by the prompt", "plan, fields only": "plan-then-write (the default)"}
 
 
 def _judge(rows: list[dict[str, Any]], plans: list[str]) -> None:
@@ -132,7 +134,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-outline-arm", action="store_true", help="skip the arm with the outline in the prompt")
     ap.add_argument("--no-judge", action="store_true", help="skip the judge perplexity (Gemma 3 270M)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="save relevance against generated tokens as a PNG")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved --json")
     args = ap.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            ap.error("--replot needs --plot PATH")
+        with open(args.replot, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        plot(saved, args.plot)
+        return saved
     if not 0 <= args.first_topic < len(TOPICS) or args.topics < 1:
         ap.error(f"--first-topic has to be in 0-{len(TOPICS) - 1} and --topics at least 1")
 
@@ -254,7 +265,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
     return result
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Relevance against generated tokens: the oracle best-of-k curve, the best-of-4 a deployment can pick,
+    and each plan arm, with their 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ks = [summary[f"best-of-{k}"] for k in range(1, 5)]
+    ax.plot([x["tokens"] for x in ks], [x["relevance"][0] for x in ks], "o-", color="0.45", label="best-of-k (oracle)")
+    for k, x in enumerate(ks, 1):
+        ax.annotate(f"k={k}", (x["tokens"], x["relevance"][0]), textcoords="offset points", xytext=(4, -12))
+    names = [n for n in summary if n == PICKED or n.startswith("plan")]
+    for i, name in enumerate(names):
+        m, lo, hi = summary[name]["relevance"]
+        ax.errorbar(
+            summary[name]["tokens"], m, yerr=[[m - lo], [hi - m]], fmt="s" if name == PICKED else "D",
+            capsize=3, color=f"C{i}", label=LABELS.get(name, name),
+        )  # fmt: skip
+    half = summary["best4"]["tokens"] / 2
+    ax.axvline(half, ls=":", color="0.6")
+    ax.text(half, ax.get_ylim()[0], " half of best-of-4's tokens", va="bottom", fontsize=8, color="0.4")
+    args = result["args"]
+    n = len(result["rows"])
+    ax.set(
+        xlabel="generated tokens per prompt (drafts, openings and text)",
+        ylabel="topic relevance (MiniLM cosine)",
+        title=f"Plan-then-write vs best-of-k: topics {args['first_topic']}-"
+        f"{args['first_topic'] + args['topics'] - 1}, {n} prompt-seed pairs",
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
