@@ -78,6 +78,15 @@ def _load(model: str | None) -> tuple[Any, Any]:
         return load_model(model)
 
 
+def _encoder(name: str) -> Any:
+    """The sentence encoder an ``--encoder`` option names: ``None`` for MiniLM (the default), or hashing."""
+    if name not in ("minilm", "hashing"):
+        _fail(f"--encoder must be minilm or hashing, got {name!r}")
+    from .context import hashing_encoder
+
+    return hashing_encoder() if name == "hashing" else None
+
+
 def _run_guarded(fn: Any) -> Any:
     try:
         return fn()
@@ -443,11 +452,10 @@ def prune_context_command(
     """
     from rich.console import Console
 
-    from .context import hashing_encoder, prune_context, result_table
+    from .context import prune_context, result_table
     from .profile import load_profile
 
-    if encoder not in ("minilm", "hashing"):
-        _fail(f"--encoder must be minilm or hashing, got {encoder!r}")
+    enc = _encoder(encoder)
     if count not in ("tokens", "words"):
         _fail(f"--count must be tokens or words, got {count!r}")
     if not chunks.exists():
@@ -469,7 +477,6 @@ def prune_context_command(
         from .models import load_tokenizer
 
         tok = _run_guarded(lambda: load_tokenizer(model))
-    enc = hashing_encoder() if encoder == "hashing" else None
     result = _run_guarded(lambda: prune_context(question, rows, budget, profile=prof, tokenizer=tok, encoder=enc))
     console = Console()
     console.print(result_table(result))
@@ -521,12 +528,10 @@ def plan(
     from rich.console import Console
     from rich.markup import escape
 
-    from .context import hashing_encoder
     from .plan import plan_table, plan_then_write
     from .profile import load_profile
 
-    if encoder not in ("minilm", "hashing"):
-        _fail(f"--encoder must be minilm or hashing, got {encoder!r}")
+    enc = _encoder(encoder)
     if schedule not in ("thermostat", "constant"):
         _fail(f"--schedule must be thermostat or constant, got {schedule!r}")
     prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
@@ -550,7 +555,7 @@ def plan(
                 opening_tokens=opening_tokens,
                 raw=True if raw else None,
                 seed=seed,
-                encoder=hashing_encoder() if encoder == "hashing" else None,
+                encoder=enc,
             )
         )
     console.print(plan_table(res))

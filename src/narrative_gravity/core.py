@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_gravity", "apply_gravity_on_support", "damp_repeats", "prune_mask"]
+__all__ = ["apply_gravity", "apply_gravity_on_support", "check_repeat_weight", "damp_repeats", "prune_mask"]
 
 
 def _as_row_strength(strength: torch.Tensor | float, logits: torch.Tensor) -> torch.Tensor | float:
@@ -94,6 +94,15 @@ def prune_mask(field: torch.Tensor, threshold: float | None) -> torch.Tensor | N
     if threshold is None:
         return None
     return field <= threshold
+
+
+def check_repeat_weight(weight: float) -> float:
+    """``weight`` as a float, or a :class:`~narrative_gravity.errors.ConfigurationError` unless it is in [0, 1]."""
+    from .errors import ConfigurationError
+
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight <= 1.0:
+        raise ConfigurationError(f"`repeat_weight` has to be a number in [0, 1], but is {weight!r}")
+    return float(weight)
 
 
 def damp_repeats(

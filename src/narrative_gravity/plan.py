@@ -38,7 +38,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .control import ConstantController, StepContext, StrengthController
-from .core import apply_gravity, damp_repeats
+from .core import apply_gravity, check_repeat_weight, damp_repeats
 from .errors import ConfigurationError, FieldError
 from .fields import NarrativeField, combine_fields
 from .fields.lexical import build_lexical_field, reach, surface_forms
@@ -191,13 +191,7 @@ class StagedLogitsProcessor(LogitsProcessor):
             raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
         if not 0 < cover_fraction <= 1:
             raise ConfigurationError(f"`cover_fraction` has to be in (0, 1], but is {cover_fraction!r}")
-        if (
-            isinstance(repeat_weight, bool)
-            or not isinstance(repeat_weight, (int, float))
-            or not 0 <= repeat_weight <= 1
-        ):
-            raise ConfigurationError(f"`repeat_weight` has to be a number in [0, 1], but is {repeat_weight!r}")
-        self.repeat_weight = float(repeat_weight)
+        self.repeat_weight = check_repeat_weight(repeat_weight)
         self.controller = controller if controller is not None else ConstantController(strength)
         self.max_new_tokens = max_new_tokens
         n = len(fields)

@@ -16,7 +16,7 @@ import torch
 from transformers import LogitsProcessor
 
 from ..control import ConstantController, StepContext, StrengthController
-from ..core import apply_gravity, apply_gravity_on_support, damp_repeats, prune_mask
+from ..core import apply_gravity, apply_gravity_on_support, check_repeat_weight, damp_repeats, prune_mask
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..fields import NarrativeField
 from ..thermo import Measurement, Trace, measure, measure_from_probs, measure_on_support
@@ -75,12 +75,6 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             raise ConfigurationError(
                 f"`prune_threshold` has to be in [-1, 1), but is {prune_threshold!r}; field values lie in [-1, 1]"
             )
-        if (
-            isinstance(repeat_weight, bool)
-            or not isinstance(repeat_weight, (int, float))
-            or not (0.0 <= repeat_weight <= 1.0)
-        ):
-            raise ConfigurationError(f"`repeat_weight` has to be a number in [0, 1], but is {repeat_weight!r}")
         if nan_check_every is not None and nan_check_every < 1:
             raise ConfigurationError(f"`nan_check_every` has to be >= 1, but is {nan_check_every!r}")
         self.field = field
@@ -90,7 +84,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.trace = trace
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
-        self.repeat_weight = float(repeat_weight)
+        self.repeat_weight = check_repeat_weight(repeat_weight)
         self._fitted: tuple[tuple[int, str, torch.dtype], NarrativeField] | None = None
         self._support: torch.Tensor | None = None
         # Without pruning, and with a controller that does not read the field, gravity touches the field's
@@ -186,7 +180,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         field = self._field_for(scores)
         if self._sparse:
             return self._step_on_support(field, input_ids, scores, step)
-        a = self._unrepeated(field.for_step(input_ids), input_ids, step, scores.shape[-1])
+        a = damp_repeats(field.for_step(input_ids), input_ids, step, self.repeat_weight, scores.shape[-1])
         ctx = self._context(step, input_ids, scores, a)
         if self.measure_only:
             if self.trace is not None:
@@ -198,13 +192,6 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self.trace is not None:
             self.trace.record(self._measure(scores, a, lam, out))
         return out
-
-    def _unrepeated(
-        self, a: torch.Tensor, input_ids: torch.Tensor, step: int, width: int, support: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``a`` with the pull of the tokens each row has generated scaled by ``repeat_weight``
-        (:func:`~narrative_gravity.core.damp_repeats`)."""
-        return damp_repeats(a, input_ids, step, self.repeat_weight, width, support)
 
     def _measure(self, scores: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, out: torch.Tensor) -> Measurement:
         # A controller that already took this step's softmax (the thermostat) saves the thermometer its pass.
@@ -233,7 +220,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
     ) -> torch.Tensor:
         """The fast path (no pruning, a controller that does not read the field): work on the support only."""
         support, a_s = field.on_support(input_ids)
-        a_s = self._unrepeated(a_s, input_ids, step, scores.shape[-1], support)
+        a_s = damp_repeats(a_s, input_ids, step, self.repeat_weight, scores.shape[-1], support)
         if self.measure_only:
             if self.trace is not None:
                 zero = torch.zeros(scores.shape[0], device=scores.device)
