@@ -44,7 +44,7 @@ from .backend import Backend, ResolvedGravity, RowStats, Sampling
 from .config import ServerConfig
 from .detok import ChoiceText
 from .gravity import GravityResolver, public_message
-from .metrics import Metrics
+from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     APIError,
     ChatRequest,
@@ -56,7 +56,7 @@ from .protocol import (
     parse_json,
     parse_request,
 )
-from .scheduler import BatchScheduler, Job
+from .scheduler import Job, make_scheduler
 
 __all__ = ["create_app", "serve"]
 
@@ -226,13 +226,7 @@ def create_app(
     store = store if store is not None else ProfileStore()
     metrics = metrics if metrics is not None else Metrics()
     resolver = GravityResolver(store)
-    scheduler = BatchScheduler(
-        backend,
-        max_batch_size=config.max_batch_size,
-        window_s=config.batch_window_ms / 1000.0,
-        max_queue=config.max_queue,
-        metrics=metrics,
-    )
+    scheduler = make_scheduler(backend, config, metrics)
     started_at = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -312,7 +306,7 @@ def create_app(
             "ngrav_queued_rows": ("Rows waiting for a batch.", scheduler.queued),
             "ngrav_running_rows": ("Rows in the running batch.", scheduler.running),
         }
-        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(gauges), media_type=CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:
         return {"id": backend.model_id, "object": "model", "created": started_at, "owned_by": "narrative-gravity"}
@@ -717,7 +711,7 @@ def serve(
 
     profile_store = ProfileStore(store)
     options: dict[str, Any] = {}
-    if engine == "vllm":  # vLLM batches up to the scheduler's batch size and fits the longest allowed request
+    if engine == "vllm":  # vLLM decodes up to --max-batch-size rows per step and fits the longest allowed request
         options = {
             "max_num_seqs": config.max_batch_size,
             "max_model_len": config.max_prompt_tokens + config.max_tokens_limit,

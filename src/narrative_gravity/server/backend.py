@@ -5,6 +5,10 @@ rows in one blocking call, reporting every decoding step's new token ids through
 transformers backend is :class:`~narrative_gravity.server.hf.HFBackend`; the vLLM backend is
 :class:`~narrative_gravity.server.vllm.VLLMBackend`.
 
+A backend whose engine admits rows into its running batch at any step is also a :class:`ContinuousBackend`:
+the server then submits each request's rows to it as they arrive instead of collecting batches
+(:class:`~narrative_gravity.server.scheduler.ContinuousScheduler`).
+
 >>> Sampling(temperature=0.0).greedy
 True
 """
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINES",
     "Backend",
+    "ContinuousBackend",
+    "EventCallback",
     "GenerationRow",
     "ResolvedGravity",
     "RowStats",
@@ -138,6 +144,40 @@ class Backend(Protocol):
 
         A row stops at end-of-sequence, after ``max_tokens`` tokens, or soon after ``cancelled`` turns true.
         """
+        ...
+
+
+EventCallback = Callable[[list[tuple[GenerationRow, str, Any]]], None]
+"""Called from the engine's thread once per engine step with that step's events for the rows of one submission,
+in order: ``(row, "token", id)``, then ``(row, "end", RowStats)`` when the row finished (end of sequence,
+``max_tokens``, or aborted after ``cancelled``), or ``(row, "error", exception)`` when it failed. Every row gets
+exactly one ``end`` or ``error``."""
+
+
+@runtime_checkable
+class ContinuousBackend(Backend, Protocol):
+    """A :class:`Backend` whose engine admits rows into its running batch between any two steps (vLLM).
+
+    Its engine runs in a thread of its own; ``generate`` still works (it submits and waits).
+    """
+
+    def submit(self, rows: Sequence[GenerationRow], on_events: EventCallback) -> None:
+        """Hand rows to the engine; they join the running batch at its next step. Thread-safe, returns at once.
+
+        A row whose request the engine refuses gets an ``error`` event of its own; the other rows run on.
+        """
+        ...
+
+    def in_flight(self) -> tuple[int, int]:
+        """``(waiting, running)``: submitted rows not yet decoding, and rows in the running batch."""
+        ...
+
+    def collectors(self) -> list[Any]:
+        """``prometheus_client`` collectors of the engine's own metrics, for ``/metrics``."""
+        ...
+
+    def close(self) -> None:
+        """Abort every row (each gets its ``end``), stop the engine's thread and wait for it."""
         ...
 
 

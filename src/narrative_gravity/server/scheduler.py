@@ -1,5 +1,9 @@
-"""Batch concurrent requests into one ``generate`` call at a time.
+"""Batch concurrent requests into one ``generate`` call at a time, or hand them to an engine that batches by step.
 
+:func:`make_scheduler` picks :class:`ContinuousScheduler` for a
+:class:`~narrative_gravity.server.backend.ContinuousBackend` (vLLM) and :class:`BatchScheduler` otherwise.
+
+**BatchScheduler.**
 Each request becomes one or more rows (prompts × ``n``) in a FIFO queue. A single scheduler task takes the
 oldest row, waits up to ``window`` seconds (from that row's arrival) for more, then takes up to
 ``max_batch_size`` rows and runs them as one batch in a dedicated worker thread (``Backend.generate``), so the
@@ -10,6 +14,11 @@ Tokens travel back through the backend's per-step callback: the worker thread ca
 ``loop.call_soon_threadsafe`` once per step, which puts ``(index, "token", id)`` on each request's
 :class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``, or
 ``(index, "error", exc)`` when the batch failed.
+
+**ContinuousScheduler.** Each request's rows go to the engine as soon as they arrive and join its running batch
+at its next step; rows leave it one by one as they finish. The engine's thread reports each step's events once,
+and one ``loop.call_soon_threadsafe`` per step puts them on the requests' queues, as above. Too many rows in
+flight answer ``429``.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backend import Backend, ResolvedGravity, RowStats, Sampling
+from .backend import Backend, ContinuousBackend, GenerationRow, ResolvedGravity, RowStats, Sampling
+from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import APIError
 
-__all__ = ["BatchScheduler", "Job", "Row"]
+__all__ = ["BatchScheduler", "ContinuousScheduler", "Job", "Row", "make_scheduler"]
 
 log = logging.getLogger("narrative_gravity.server")
 
@@ -110,7 +120,7 @@ class BatchScheduler:
     async def stop(self) -> None:
         """Refuse new rows, fail the queued ones with ``503``, cancel the running batch and wait for it."""
         self._closed = True
-        gone = APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+        gone = _shutting_down()
         while self._pending:
             row = self._pending.popleft()
             row.job.deliver(row.index, "error", gone)
@@ -127,7 +137,7 @@ class BatchScheduler:
     def submit(self, rows: Sequence[Row]) -> None:
         """Queue a request's rows, all or none; ``429`` when they do not fit."""
         if self._closed or self._wake is None:
-            raise APIError(503, "the server is not accepting requests (starting or shutting down)", code="unavailable")
+            raise _not_accepting()
         if len(self._pending) + len(rows) > self.max_queue:
             raise APIError(
                 429,
@@ -206,3 +216,113 @@ class BatchScheduler:
         for row, token in zip(rows, tokens):
             if token is not None and not row.cancelled:
                 row.job.deliver(row.index, "token", token)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+
+
+def _not_accepting() -> APIError:
+    return APIError(503, "the server is not accepting requests (starting or shutting down)", code="unavailable")
+
+
+class ContinuousScheduler:
+    """Hands rows to a continuous backend as they arrive (see the module doc); the same surface as
+    :class:`BatchScheduler`.
+
+    Args:
+        backend: the engine; it admits rows at any step.
+        max_rows: the most rows in flight (waiting in the engine or decoding); more get ``429``.
+        metrics: where engine steps, gravity rows and the engine's own collectors go.
+    """
+
+    def __init__(self, backend: ContinuousBackend, *, max_rows: int = 128, metrics: Metrics | None = None) -> None:
+        if max_rows < 1:
+            raise ValueError(f"`max_rows` has to be >= 1, but is {max_rows}")
+        self.backend = backend
+        self.max_rows = max_rows
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._live: set[Row] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._registered = False
+
+    @property
+    def queued(self) -> int:
+        return self.backend.in_flight()[0]
+
+    @property
+    def running(self) -> int:
+        return self.backend.in_flight()[1]
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if not self._registered:
+            self.metrics.register(self.backend.collectors())
+            self._registered = True
+
+    async def stop(self) -> None:
+        """Refuse new rows, fail the rows in flight with ``503``, abort them in the engine and stop its thread."""
+        self._closed = True
+        gone = _shutting_down()
+        for row in list(self._live):  # their readers must not wait for the engine
+            row.cancelled = True
+            row.job.deliver(row.index, "error", gone)
+        self._live.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self.backend.close)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        """Hand a request's rows to the engine, all or none; ``429`` when they would pass ``max_rows``."""
+        if self._closed or self._loop is None:
+            raise _not_accepting()
+        if len(self._live) + len(rows) > self.max_rows:
+            raise APIError(
+                429,
+                f"the server is busy: {len(self._live)} rows are in flight (limit {self.max_rows}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self._live.update(rows)
+        self.backend.submit(rows, self._on_events)
+
+    def _on_events(self, events: list[tuple[GenerationRow, str, Any]]) -> None:  # runs in the engine's thread
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[tuple[GenerationRow, str, Any]]) -> None:
+        advanced: set[int] = set()
+        for row, kind, payload in events:
+            assert isinstance(row, Row)
+            if kind == "token":
+                advanced.add(id(row))
+                if row.cancelled:
+                    continue
+            elif row not in self._live:  # already failed by stop()
+                continue
+            else:
+                self._live.discard(row)
+                if kind == "end" and row.gravity is not None and payload.narrative_mass is not None:
+                    self.metrics.gravity_row(row.gravity.label, payload.narrative_mass, payload.kl or 0.0)
+            row.job.deliver(row.index, kind, payload)
+        if advanced:
+            self.metrics.engine_step(len(advanced))
+
+
+def make_scheduler(
+    backend: Backend, config: ServerConfig, metrics: Metrics | None = None
+) -> BatchScheduler | ContinuousScheduler:
+    """The scheduler for ``backend``: rows admitted at any step on a :class:`ContinuousBackend`, batches otherwise.
+
+    A continuous engine decodes up to ``config.max_batch_size`` rows per step (the engine's own limit) and keeps
+    up to ``config.max_queue`` more waiting.
+    """
+    if isinstance(backend, ContinuousBackend):
+        return ContinuousScheduler(backend, max_rows=config.max_batch_size + config.max_queue, metrics=metrics)
+    return BatchScheduler(
+        backend,
+        max_batch_size=config.max_batch_size,
+        window_s=config.batch_window_ms / 1000.0,
+        max_queue=config.max_queue,
+        metrics=metrics,
+    )

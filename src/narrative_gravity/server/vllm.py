@@ -1,17 +1,21 @@
 """The vLLM backend of the server: ``ngrav serve --engine vllm``.
 
-Each batch of rows becomes vLLM requests on one in-process engine (``vllm.LLM`` with
+Rows become vLLM requests on one in-process engine (``vllm.LLM`` with
 :class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor`), so gravity rides inside vLLM's
-own batch with a profile per request (``SamplingParams.extra_args["gravity"]``), and the math is the same
-:func:`~narrative_gravity.core.apply_gravity` as everywhere else. The engine is stepped in the worker
-thread; every step's new tokens go to the scheduler, and a cancelled row is aborted in the engine.
+own batch with a profile per request (``SamplingParams.extra_args["gravity"]``).
 
-vLLM schedules prefill and decode itself, so rows do not advance in lockstep: a step reports ``None`` for
-a row that produced no token in it. The vLLM processor keeps no per-row trace, so rows report their token
-count but no narrative mass or KL.
+The backend is a :class:`~narrative_gravity.server.backend.ContinuousBackend`: one engine thread owns the
+engine and loops ``engine.step()``. Between two steps it adds the rows submitted since (they join the running
+batch at once, as in vLLM's own server), aborts the rows whose request was cancelled, and reports each step's
+new tokens, finished rows and failures in one callback per submission. A request the engine refuses fails alone.
+
+vLLM schedules prefill and decode itself, so rows do not advance in lockstep. The vLLM processor keeps no
+per-row trace, so rows report their token count but no narrative mass or KL. The engine keeps its own
+statistics (``disable_log_stats=False``); :meth:`VLLMBackend.collectors` puts its ``vllm:*`` metrics (waiting
+and running requests, KV-cache usage, token counts, latencies) on the server's ``/metrics``.
 
 vLLM lives in its own environment (``bash scripts/setup_vllm.sh``); this module imports it only in
-:meth:`VLLMBackend.load`.
+:meth:`VLLMBackend.load` and the engine thread.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
 from ..profile import Profile
-from .backend import GenerationRow, RowStats, TokenCallback, TokenizerText
+from .backend import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
 
 __all__ = ["VLLMBackend"]
 
@@ -35,11 +41,35 @@ PROCESSOR = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 _IDS = itertools.count()
 
 
+@dataclass(eq=False)
+class _Live:
+    """A row in the engine: its callback and how many tokens it has produced."""
+
+    row: GenerationRow
+    on_events: EventCallback
+    tokens: int = 0
+
+
+class _EngineMetrics:
+    """A ``prometheus_client`` collector that yields vLLM's own ``vllm:*`` metrics from its global registry."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client import REGISTRY
+
+        for metric in REGISTRY.collect():
+            if metric.name.startswith("vllm:"):
+                yield metric
+
+    def describe(self) -> list[Any]:
+        return []  # names are vLLM's and change with its version; none clash with ``ngrav_*``
+
+
 class VLLMBackend(TokenizerText):
     """The server's engine on vLLM (see the module doc).
 
     Args:
-        llm: a ``vllm.LLM`` built with :data:`PROCESSOR` among its ``logits_processors``.
+        llm: a ``vllm.LLM`` built with :data:`PROCESSOR` among its ``logits_processors``; build it with
+            ``disable_log_stats=False`` for vLLM's engine metrics.
         model_id: the name clients send as ``model``.
     """
 
@@ -56,7 +86,13 @@ class VLLMBackend(TokenizerText):
         self.max_context = int(cfg.max_model_len)
         self.vocab_size = int(cfg.get_vocab_size())
         self.eos_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if i is not None)
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple[GenerationRow, EventCallback]] = deque()
+        self._live: dict[str, _Live] = {}
+        self._waiting = 0  # submitted rows without a token yet (in the inbox or the engine)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._flush = False  # aborted rows leave the engine's batch (and its stats) at its next step
 
     @classmethod
     def load(
@@ -68,7 +104,10 @@ class VLLMBackend(TokenizerText):
         max_model_len: int = 2048,
         kv_cache_mb: int = 1024,
     ) -> VLLMBackend:
-        """Start an in-process vLLM engine on a model (a name, a HF folder or a ``.gguf`` file, as ``--model``)."""
+        """Start an in-process vLLM engine on a model (a name, a HF folder or a ``.gguf`` file, as ``--model``).
+
+        ``max_num_seqs`` is the most rows decoding together in one step; more wait in the engine's queue.
+        """
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -82,6 +121,7 @@ class VLLMBackend(TokenizerText):
             raise ConfigurationError(f"engine 'vllm' picks its own device; got --device {device!r}, use cpu or cuda")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
         folder = hf_folder(name)
+        model_id = str(name) if name is not None else DEFAULT_MODEL
         llm = LLM(
             model=str(folder),
             dtype="float32",
@@ -91,21 +131,83 @@ class VLLMBackend(TokenizerText):
             enforce_eager=True,
             logits_processors=[PROCESSOR],
             seed=0,
+            disable_log_stats=False,  # vLLM's engine metrics for /metrics
+            served_model_name=model_id,  # their `model_name` label
         )
-        return cls(llm, model_id=str(name) if name is not None else DEFAULT_MODEL)
+        return cls(llm, model_id=model_id)
 
     # ------------------------------------------------------------------------------------------- gravity
 
     def prepare(self, profile: Profile) -> None:
-        """Reject what the vLLM processor cannot run (thermostat, stages, LM-embedding fields) before queueing."""
+        """Reject what the vLLM processor cannot run before the request reaches the engine."""
         from ..engines.vllm import profile_from_extra_args
 
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
 
-    # ------------------------------------------------------------------------------------------- generation
+    # ------------------------------------------------------------------------------------------- admission
+
+    def submit(self, rows: Sequence[GenerationRow], on_events: EventCallback) -> None:
+        """Queue rows for the engine thread; they join the running batch before its next step."""
+        with self._cv:
+            if self._closing:
+                raise ConfigurationError("the vLLM backend is closed; build a new one to generate")
+            self._inbox.extend((row, on_events) for row in rows)
+            self._waiting += len(rows)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ngrav-vllm-engine", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def in_flight(self) -> tuple[int, int]:
+        with self._cv:
+            return self._waiting, len(self._live) + len(self._inbox) - self._waiting
+
+    def collectors(self) -> list[Any]:
+        return [_EngineMetrics()] if getattr(self.engine, "log_stats", False) else []
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            thread = self._thread
+            self._cv.notify()
+        if thread is not None:
+            thread.join()
+
+    def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
+        """Run rows through the engine thread and wait for all of them (the blocking :class:`Backend` call)."""
+        if not rows:
+            return []
+        index = {id(row): i for i, row in enumerate(rows)}
+        stats: list[RowStats | None] = [None] * len(rows)
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def on_events(events: list[tuple[GenerationRow, str, Any]]) -> None:
+            fresh: list[list[int]] = [[] for _ in rows]
+            for row, kind, payload in events:
+                i = index[id(row)]
+                if kind == "token":
+                    fresh[i].append(payload)
+                else:
+                    stats[i] = payload if kind == "end" else RowStats(new_tokens=0)
+                    if kind == "error":
+                        errors.append(payload)
+            for j in range(max(map(len, fresh))):
+                on_tokens([f[j] if j < len(f) else None for f in fresh])
+            if all(s is not None for s in stats):
+                done.set()
+
+        self.submit(rows, on_events)
+        done.wait()
+        if errors:
+            raise errors[0]
+        return [s for s in stats if s is not None]
+
+    # ------------------------------------------------------------------------------------------- engine thread
 
     def _params(self, row: GenerationRow) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         s = row.sampling
         extra = None
@@ -118,43 +220,112 @@ class VLLMBackend(TokenizerText):
             top_k=s.top_k if s.top_k > 0 else 0,
             seed=None if s.greedy else s.seed,
             extra_args=extra,
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens only
+            detokenize=False,  # the server detokenizes per choice itself
         )
 
-    def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
-        if not rows:
-            return []
+    def _run(self) -> None:
+        """The engine thread: admit, abort, step, report; until :meth:`close`."""
+        while True:
+            with self._cv:
+                while not (self._inbox or self._live or self._closing or self._flush):
+                    self._cv.wait()
+                if self._closing:
+                    break
+                arrived = list(self._inbox)
+                self._inbox.clear()
+            events: dict[EventCallback, list[tuple[GenerationRow, str, Any]]] = {}
+            self._admit(arrived, events)
+            self._abort([rid for rid, live in self._live.items() if live.row.cancelled], events)
+            if self._live or self._flush:
+                self._flush = False
+                self._step(events)
+            self._report(events)
+        events = {}
+        with self._cv:
+            pending = list(self._inbox)
+            self._inbox.clear()
+        for row, on_events in pending:
+            events.setdefault(on_events, []).append((row, "end", RowStats(new_tokens=0)))
+        self._abort(list(self._live), events)
+        self._report(events)
+
+    def _admit(self, arrived: list[tuple[GenerationRow, EventCallback]], events: dict[EventCallback, list]) -> None:
         from vllm.inputs import TokensPrompt
 
-        with self._lock:  # one batch at a time on the engine (the scheduler already runs one)
-            batch = next(_IDS)
-            ids = [f"ngrav-{batch}-{i}" for i in range(len(rows))]
-            index = {rid: i for i, rid in enumerate(ids)}
-            seen = [0] * len(rows)
-            live: set[str] = set()
+        for row, on_events in arrived:
+            rid = f"ngrav-{next(_IDS)}"
+            if row.cancelled:
+                events.setdefault(on_events, []).append((row, "end", RowStats(new_tokens=0)))
+                self._stop_waiting()
+                continue
             try:
-                for rid, row in zip(ids, rows):
-                    self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(row.prompt_ids)), self._params(row))
-                    live.add(rid)
-                while self.engine.has_unfinished_requests():
-                    gone = [rid for rid in live if rows[index[rid]].cancelled]
-                    if gone:
-                        self.engine.abort_request(gone)
-                        live.difference_update(gone)
-                        if not live:
-                            break
-                    fresh: list[list[int]] = [[] for _ in rows]
-                    for out in self.engine.step():
-                        i = index.get(out.request_id)
-                        if i is None:
-                            continue
-                        tokens = list(out.outputs[0].token_ids)
-                        fresh[i] = tokens[seen[i] :]  # one per step, unless speculative decoding is on
-                        seen[i] = len(tokens)
-                        if out.finished:
-                            live.discard(out.request_id)
-                    for j in range(max(map(len, fresh))):
-                        on_tokens([f[j] if j < len(f) else None for f in fresh])
-            finally:
-                if live:
-                    self.engine.abort_request(list(live))
-        return [RowStats(new_tokens=n) for n in seen]
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(row.prompt_ids)), self._params(row))
+            except Exception as exc:  # this request only: a bad profile, a prompt the engine refuses
+                log.warning("vLLM refused a request: %s", exc)
+                events.setdefault(on_events, []).append((row, "error", exc))
+                self._stop_waiting()
+                continue
+            with self._cv:
+                self._live[rid] = _Live(row, on_events)
+
+    def _abort(self, rids: list[str], events: dict[EventCallback, list]) -> None:
+        if not rids:
+            return
+        self.engine.abort_request(rids)
+        self._flush = True
+        for rid in rids:
+            self._finish(rid, "end", None, events)
+
+    def _step(self, events: dict[EventCallback, list]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine failed: every row in it fails, later requests start afresh
+            log.exception("a vLLM engine step failed with %d rows in flight", len(self._live))
+            rids = list(self._live)
+            try:
+                self.engine.abort_request(rids)
+            except Exception:  # pragma: no cover - the engine is already broken
+                log.exception("aborting the failed rows failed too")
+            for rid in rids:
+                self._finish(rid, "error", exc, events)
+            return
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            tokens = list(out.outputs[0].token_ids)
+            if tokens:
+                if live.tokens == 0:
+                    self._stop_waiting()
+                live.tokens += len(tokens)
+                batch = events.setdefault(live.on_events, [])
+                batch.extend((live.row, "token", t) for t in tokens)
+            if out.finished:
+                self._finish(out.request_id, "end", None, events)
+        if self._live and not self.engine.has_unfinished_requests():  # finished without a final output
+            for rid in list(self._live):
+                self._finish(rid, "end", None, events)
+
+    def _finish(self, rid: str, kind: str, error: BaseException | None, events: dict[EventCallback, list]) -> None:
+        with self._cv:
+            live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if live.tokens == 0:
+            self._stop_waiting()
+        payload: Any = error if kind == "error" else RowStats(new_tokens=live.tokens)
+        events.setdefault(live.on_events, []).append((live.row, kind, payload))
+
+    def _stop_waiting(self) -> None:
+        """One row got its first token or left before it (the ``waiting`` count of :meth:`in_flight`)."""
+        with self._cv:
+            self._waiting -= 1
+
+    @staticmethod
+    def _report(events: dict[EventCallback, list]) -> None:
+        for on_events, batch in events.items():
+            try:
+                on_events(batch)
+            except Exception:  # a listener's bug must not stop the engine for everyone
+                log.exception("a token callback failed")
