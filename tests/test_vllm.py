@@ -392,3 +392,147 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
             assert again.model_extra["gravity"]["profile"] == "inline"
     finally:
         running.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Step-level admission: requests join vLLM's running batch as they arrive; cancelled ones leave it
+
+
+LONG_PROMPT = "Once upon a time"
+PHASES = {"core_semantics": ["planet", "orbit"], "schedule": "phases"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``ngrav serve --engine vllm`` as the CLI builds it (vLLM's stats on), on a loopback port."""
+    pytest.importorskip("fastapi")
+    from narrative_gravity.server import ServerConfig, create_app
+    from narrative_gravity.server.vllm import VLLMBackend
+    from narrative_gravity.store import ProfileStore
+    from servers import RunningServer
+
+    backend = VLLMBackend.load(max_num_seqs=8, max_model_len=512, kv_cache_mb=64)
+    store = ProfileStore(tmp_path_factory.mktemp("store"))
+    running = RunningServer(create_app(backend, config=ServerConfig(max_batch_size=8), store=store))
+    yield running, backend
+    running.close()
+
+
+def _families(text: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(families: dict[str, Any], name: str, sample: str | None = None) -> float:
+    """The sum of a family's samples named ``sample`` (default: the family's name) over all label sets."""
+    return sum(s.value for s in families[name].samples if s.name == (sample or name))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_server_admits_a_new_request_into_the_running_batch(served: Any) -> None:
+    """Two long streams are decoding; a short request sent now streams its first token (and all of its tokens)
+    before either long one ends, so it joined their batch instead of waiting for it."""
+    import asyncio
+    import time
+
+    import httpx
+    import openai
+
+    running, _ = served
+    with running.http() as http:
+        before = _families(http.get("/metrics").text)
+
+    async def main() -> tuple[float, float, list[float]]:
+        http_client = httpx.AsyncClient(trust_env=False, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=f"{running.url}/v1", api_key="unused", max_retries=0, http_client=http_client
+        )
+        async with client:
+            started = [asyncio.Event(), asyncio.Event()]
+            ends = [0.0, 0.0]
+
+            async def long(i: int) -> None:
+                extra = {"gravity": PHASES} if i else {}
+                stream = await client.completions.create(
+                    model="smollm2", prompt=LONG_PROMPT, max_tokens=160, temperature=0, stream=True, extra_body=extra
+                )
+                n = 0
+                async for chunk in stream:
+                    n += bool(chunk.choices and chunk.choices[0].text)
+                    if n >= 3:
+                        started[i].set()
+                ends[i] = time.perf_counter()
+
+            tasks = [asyncio.create_task(long(i)) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            first = None
+            stream = await client.completions.create(
+                model="smollm2", prompt="The planet", max_tokens=4, temperature=0, stream=True
+            )
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].text:
+                    first = time.perf_counter()
+            last = time.perf_counter()
+            await asyncio.gather(*tasks)
+            assert first is not None
+            return first, last, ends
+
+    first, last, ends = asyncio.run(main())
+    assert first < last < min(ends), (first, last, ends)
+    with running.http() as http:
+        after = _families(http.get("/metrics").text)
+    # some engine step advanced all three rows at once
+    rows_le_2 = "ngrav_step_rows_bucket"
+    three = [
+        s.value
+        for fam in (before, after)
+        for s in fam["ngrav_step_rows"].samples
+        if s.name == rows_le_2 and s.labels["le"] == "2.0"
+    ]
+    counts = [_value(f, "ngrav_step_rows", "ngrav_step_rows_count") for f in (before, after)]
+    assert (counts[1] - three[1]) - (counts[0] - three[0]) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_server_cancel_aborts_the_request_and_metrics_show_the_engine(served: Any) -> None:
+    """A client that leaves a stream aborts its request in the engine: nothing stays in flight, in the engine or
+    in /metrics (ours and vLLM's gauges), long before the request could have run to ``max_tokens``."""
+    import time
+
+    running, backend = served
+    body = {"model": "smollm2", "prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    with running.http() as http:
+        before = _families(http.get("/metrics").text)
+        with http.stream("POST", "/v1/completions", json={**body, "gravity": PHASES}) as resp:
+            assert resp.status_code == 200
+            chunks = 0
+            for line in resp.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break
+        left = time.perf_counter()
+        while True:
+            families = _families(http.get("/metrics").text)
+            gauges = [
+                _value(families, name)
+                for name in (
+                    "ngrav_running_rows",
+                    "ngrav_queued_rows",
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                )
+            ]
+            if not any(gauges) or time.perf_counter() - left > 10:
+                break
+            time.sleep(0.1)
+    assert gauges == [0, 0, 0, 0]
+    assert not backend.engine.has_unfinished_requests()
+    assert backend.in_flight() == (0, 0)
+    # the engine stopped it far short of its 400 tokens
+    generated = [_value(f, "vllm:generation_tokens", "vllm:generation_tokens_total") for f in (before, families)]
+    assert 3 <= generated[1] - generated[0] < 200
+    # vLLM's engine gauges sit beside ours in one exposition that prometheus_client parses
+    assert {"vllm:kv_cache_usage_perc", "ngrav_requests", "ngrav_time_to_first_token_seconds"} <= families.keys()

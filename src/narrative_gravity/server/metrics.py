@@ -17,10 +17,17 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from ..errors import ConfigurationError
+
+try:  # the `server` extra; without it the module imports and Metrics() says what to install
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+except ModuleNotFoundError:  # pragma: no cover - depends on the environment
+    _HAVE_CLIENT = False
+else:
+    _HAVE_CLIENT = True
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -31,13 +38,13 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class _ScrapeGauges(Collector):
+class _ScrapeGauges:
     """Gauges whose values are read when ``/metrics`` is scraped: ``{name: (help, read)}``."""
 
     def __init__(self) -> None:
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Any]:
         for name, (help_, read) in list(self.gauges.items()):
             yield GaugeMetricFamily(name, help_, value=float(read()))
 
@@ -49,6 +56,10 @@ class Metrics:
     """
 
     def __init__(self) -> None:
+        if not _HAVE_CLIENT:
+            raise ConfigurationError(
+                "server metrics need prometheus-client; install it with:\n    pip install 'narrative-gravity[server]'"
+            )
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._lock = threading.Lock()
@@ -172,7 +183,7 @@ class Metrics:
         """Expose ``read()`` as the gauge ``name`` at every scrape (replacing an earlier gauge of that name)."""
         self._scrape.gauges[name] = (help_, read)
 
-    def register(self, collectors: Iterable[Collector]) -> None:
+    def register(self, collectors: Iterable[Any]) -> None:
         """Add collectors (an engine's own metrics) to this registry; their names must not clash with ours."""
         for c in collectors:
             self.registry.register(c)
