@@ -3,7 +3,9 @@
 Each client sends a streaming chat (or completions) request with gravity, reads the server-sent events to the end,
 and starts the next request, until the time is up. Requests still running then get ``--grace`` seconds to finish and
 are cancelled after that, so a run always ends. Reports requests, failures, p50/p95 latency, time to first token,
-tokens/s, and the server's batching (generate calls and rows per call, from /metrics).
+tokens/s, the server's batching from /metrics (generate calls and rows per call on the transformers engine, engine
+steps and rows per step on vLLM), and the machine's load average before and after (other work on a shared machine
+shows there).
 
 Examples::
 
@@ -12,6 +14,10 @@ Examples::
 
     # start `ngrav serve` for the run (and stop it afterwards)
     python bench/server_load.py --spawn --clients 4 --duration 5 --max-tokens 32
+
+    # the vLLM engine, every request carrying a profile file inline
+    python bench/server_load.py --spawn --clients 50 --duration 60 --gravity-file profiles/topic.yaml \
+        --server-arg=--engine --server-arg=vllm --server-arg=--max-batch-size --server-arg=64
 
 Needs httpx (in the `dev` extra).
 """
@@ -29,9 +35,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 PROMPTS = (
     "Tell me about your weekend plans.",
@@ -41,7 +49,7 @@ PROMPTS = (
     "Describe the view from a mountain top.",
     "Give me three tips for learning a language.",
 )
-DEFAULT_GRAVITY = {"core_semantics": ["planet", "orbit", "star", "galaxy"], "gravity_strength": 1.5}
+DEFAULT_GRAVITY = {"core_semantics": ["planet", "orbit", "star", "galaxy"], "gravity_strength": 1.5, "schedule": "phases"}
 
 
 @dataclass
@@ -71,6 +79,12 @@ class Report:
     requests_per_s: float = 0.0
     generate_calls: float | None = None
     rows_per_call: float | None = None
+    engine_steps: float | None = None
+    rows_per_step: float | None = None
+    gravity: dict[str, Any] | str | None = None
+    cpus: int | None = None
+    load_before: list[float] | None = None
+    load_after: list[float] | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -82,6 +96,22 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo), 4)
 
 
+def gravity_of(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``gravity`` every request carries: a stored profile, a profile file inline, the default, or none."""
+    if args.no_gravity:
+        return None
+    if args.profile:
+        return {"profile": args.profile}
+    if args.gravity_file:
+        data = yaml.safe_load(Path(args.gravity_file).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise SystemExit(
+                f"--gravity-file {args.gravity_file}: expected a profile mapping, got {type(data).__name__}"
+            )
+        return data
+    return DEFAULT_GRAVITY
+
+
 def request_body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
     prompt = PROMPTS[i % len(PROMPTS)]
     body: dict[str, Any] = {
@@ -91,10 +121,9 @@ def request_body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if args.profile:
-        body["gravity"] = {"profile": args.profile}
-    elif not args.no_gravity:
-        body["gravity"] = DEFAULT_GRAVITY
+    gravity = gravity_of(args)
+    if gravity is not None:
+        body["gravity"] = gravity
     if args.completions:
         return "/v1/completions", {**body, "prompt": prompt}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
@@ -149,12 +178,24 @@ def read_metric(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-async def scrape(client: httpx.AsyncClient) -> tuple[float | None, float | None]:
+SCRAPED = ("ngrav_generate_calls_total", "ngrav_batch_rows_total", "ngrav_engine_steps_total", "ngrav_step_rows_sum")
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float | None]:
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
-        return None, None
-    return read_metric(text, "ngrav_generate_calls_total"), read_metric(text, "ngrav_batch_rows_total")
+        return dict.fromkeys(SCRAPED)
+    return {name: read_metric(text, name) for name in SCRAPED}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def delta(before: dict[str, float | None], after: dict[str, float | None], name: str) -> float | None:
+    x, y = before[name], after[name]
+    return y - x if x is not None and y is not None else None
 
 
 async def run(args: argparse.Namespace) -> Report:
@@ -163,7 +204,8 @@ async def run(args: argparse.Namespace) -> Report:
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=args.request_timeout, limits=limits, trust_env=False
     ) as client:
-        calls0, rows0 = await scrape(client)
+        load_before = [round(x, 2) for x in os.getloadavg()]
+        scraped0 = await scrape(client)
         results: list[Result] = []
         t0 = time.perf_counter()
         deadline = t0 + args.duration
@@ -173,7 +215,8 @@ async def run(args: argparse.Namespace) -> Report:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - t0
-        calls1, rows1 = await scrape(client)
+        scraped1 = await scrape(client)
+        load_after = [round(x, 2) for x in os.getloadavg()]
     ok = [r for r in results if r.ok]
     kinds: dict[str, int] = {}
     for r in results:
@@ -182,8 +225,8 @@ async def run(args: argparse.Namespace) -> Report:
     if pending:
         kinds["cancelled after grace"] = len(pending)
     tokens = sum(r.tokens for r in ok)
-    calls = calls1 - calls0 if calls0 is not None and calls1 is not None else None
-    rows = rows1 - rows0 if rows0 is not None and rows1 is not None else None
+    calls = delta(scraped0, scraped1, "ngrav_generate_calls_total")
+    steps = delta(scraped0, scraped1, "ngrav_engine_steps_total")
     return Report(
         clients=args.clients,
         duration_s=args.duration,
@@ -200,7 +243,13 @@ async def run(args: argparse.Namespace) -> Report:
         tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0,
         requests_per_s=round(len(ok) / wall, 3) if wall > 0 else 0.0,
         generate_calls=calls,
-        rows_per_call=round(rows / calls, 2) if calls and rows is not None else None,
+        rows_per_call=ratio(delta(scraped0, scraped1, "ngrav_batch_rows_total"), calls),
+        engine_steps=steps,
+        rows_per_step=ratio(delta(scraped0, scraped1, "ngrav_step_rows_sum"), steps),
+        gravity=gravity_of(args),
+        cpus=os.cpu_count(),
+        load_before=load_before,
+        load_after=load_after,
     )
 
 
@@ -260,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
     p.add_argument("--profile", help="send gravity as {'profile': NAME} from the server's store")
+    p.add_argument("--gravity-file", help="send this profile file (YAML or JSON) inline with every request")
     p.add_argument("--no-gravity", action="store_true", help="send no gravity (the control)")
     p.add_argument("--api-key", default=os.environ.get("NGRAV_API_KEY"), help="default: $NGRAV_API_KEY")
     p.add_argument("--json", help="also write the report to this file")
