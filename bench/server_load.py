@@ -1,7 +1,9 @@
 """Load test for `ngrav serve`: N concurrent streaming clients for T seconds, from a second process on loopback.
 
 Each client sends a streaming chat (or completions) request with gravity, reads the server-sent events to the end,
-and starts the next request, until the time is up. Requests still running then get ``--grace`` seconds to finish and
+and starts the next request, until the time is up. All clients start at once, or spread evenly over ``--ramp``
+seconds (as load tools ramp up users): a burst of simultaneous first requests measures how fast the engine prefills
+them all, a ramp measures requests arriving while others decode. Requests still running then get ``--grace`` seconds to finish and
 are cancelled after that, so a run always ends. Reports requests, failures, p50/p95 latency, time to first token,
 tokens/s, the server's batching from /metrics (generate calls and rows per call on the transformers engine, engine
 steps and rows per step on vLLM), and the machine's load average before and after (other work on a shared machine
@@ -49,7 +51,11 @@ PROMPTS = (
     "Describe the view from a mountain top.",
     "Give me three tips for learning a language.",
 )
-DEFAULT_GRAVITY = {"core_semantics": ["planet", "orbit", "star", "galaxy"], "gravity_strength": 1.5, "schedule": "phases"}
+DEFAULT_GRAVITY = {
+    "core_semantics": ["planet", "orbit", "star", "galaxy"],
+    "gravity_strength": 1.5,
+    "schedule": "phases",
+}
 
 
 @dataclass
@@ -65,6 +71,7 @@ class Result:
 class Report:
     clients: int
     duration_s: float
+    ramp_s: float
     wall_s: float
     requests: int
     ok: int
@@ -167,6 +174,7 @@ async def client_loop(
     n: int, args: argparse.Namespace, client: httpx.AsyncClient, deadline: float, out: list[Result]
 ) -> None:
     i = n
+    await asyncio.sleep(args.ramp * n / args.clients)
     while time.perf_counter() < deadline:
         path, body = request_body(args, i)
         out.append(await one_request(client, path, body, args.request_timeout))
@@ -230,6 +238,7 @@ async def run(args: argparse.Namespace) -> Report:
     return Report(
         clients=args.clients,
         duration_s=args.duration,
+        ramp_s=args.ramp,
         wall_s=round(wall, 2),
         requests=len(results),
         ok=len(ok),
@@ -302,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (ignored with --spawn)")
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--duration", type=float, default=5.0, help="seconds to keep sending requests")
+    p.add_argument("--ramp", type=float, default=0.0, help="start the clients evenly over this many seconds")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds before one request counts as failed")
     p.add_argument("--model", default="smollm2", help="the `model` field sent (the server's model id)")
@@ -318,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the spawned server")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     args = p.parse_args(argv)
-    if args.clients < 1 or args.duration <= 0:
-        p.error("--clients must be >= 1 and --duration > 0")
+    if args.clients < 1 or args.duration <= 0 or not 0 <= args.ramp < args.duration:
+        p.error("--clients must be >= 1, --duration > 0 and --ramp in [0, --duration)")
     proc = spawn_server(args) if args.spawn else None
     try:
         report = asyncio.run(run(args))
