@@ -17,8 +17,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
 
 import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from narrative_gravity.errors import ConfigurationError  # noqa: E402
 from narrative_gravity.fields import NarrativeField  # noqa: E402
@@ -142,6 +144,9 @@ def check_models_health_and_metrics(client: Any, http: Any) -> None:
     assert 0.0 <= metric(after, "ngrav_narrative_mass_mean", **labels) <= 1.0
     assert metric(after, "ngrav_kl_mean", **labels) >= 0.0
     assert "# TYPE ngrav_request_latency_seconds histogram" in after
+    families = {f.name: f.type for f in text_string_to_metric_families(after)}  # a Prometheus scraper reads it
+    assert families["ngrav_requests"] == "counter" and families["ngrav_time_to_first_token_seconds"] == "histogram"
+    assert families["ngrav_queued_rows"] == families["ngrav_running_rows"] == "gauge"
 
 
 def test_profiles_over_http_and_hot_reload(server: RunningServer) -> None:
