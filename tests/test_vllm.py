@@ -536,3 +536,37 @@ def test_vllm_server_cancel_aborts_the_request_and_metrics_show_the_engine(serve
     assert 3 <= generated[1] - generated[0] < 200
     # vLLM's engine gauges sit beside ours in one exposition that prometheus_client parses
     assert {"vllm:kv_cache_usage_perc", "ngrav_requests", "ngrav_time_to_first_token_seconds"} <= families.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
+    """A row the engine refuses (its prompt is longer than the engine's context) gets its own error; the row
+    submitted with it decodes to the end."""
+    import threading
+
+    from narrative_gravity.server.backend import Sampling
+
+    _, backend = served
+    greedy = Sampling(temperature=0.0)
+    too_long = SimpleNamespace(prompt_ids=[1] * 600, max_tokens=4, sampling=greedy, gravity=None, cancelled=False)
+    good = SimpleNamespace(
+        prompt_ids=backend.encode_text("The planet"), max_tokens=4, sampling=greedy, gravity=None, cancelled=False
+    )
+    events: list[tuple[Any, str, Any]] = []
+    done = threading.Event()
+
+    def on_events(batch: list[tuple[Any, str, Any]]) -> None:
+        events.extend(batch)
+        if sum(kind != "token" for _, kind, _ in events) == 2:
+            done.set()
+
+    backend.submit([too_long, good], on_events)
+    assert done.wait(120)
+    last = {id(row): (kind, payload) for row, kind, payload in events if kind != "token"}
+    kind, error = last[id(too_long)]
+    assert kind == "error" and "512" in str(error)
+    kind, stats = last[id(good)]
+    tokens = [t for row, k, t in events if row is good and k == "token"]
+    assert kind == "end" and stats.new_tokens == len(tokens) >= 1
+    assert backend.in_flight() == (0, 0)

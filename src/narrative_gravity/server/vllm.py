@@ -166,12 +166,16 @@ class VLLMBackend(TokenizerText):
         return [_EngineMetrics()] if getattr(self.engine, "log_stats", False) else []
 
     def close(self) -> None:
+        """Abort every row and stop the engine thread; a later :meth:`submit` starts a new one."""
         with self._cv:
             self._closing = True
             thread = self._thread
             self._cv.notify()
         if thread is not None:
             thread.join()
+        with self._cv:
+            self._closing = False
+            self._thread = None
 
     def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
         """Run rows through the engine thread and wait for all of them (the blocking :class:`Backend` call)."""
@@ -235,11 +239,15 @@ class VLLMBackend(TokenizerText):
                 arrived = list(self._inbox)
                 self._inbox.clear()
             events: dict[EventCallback, list[tuple[GenerationRow, str, Any]]] = {}
-            self._admit(arrived, events)
-            self._abort([rid for rid, live in self._live.items() if live.row.cancelled], events)
-            if self._live or self._flush:
-                self._flush = False
-                self._step(events)
+            try:
+                self._admit(arrived, events)
+                self._abort([rid for rid, live in self._live.items() if live.row.cancelled], events)
+                if self._live or self._flush:
+                    self._flush = False
+                    self._step(events)
+            except Exception as exc:  # the engine failed: every row in it fails, later requests start afresh
+                log.exception("the vLLM engine failed with %d rows in flight", len(self._live))
+                self._fail_all(exc, events)
             self._report(events)
         events = {}
         with self._cv:
@@ -247,6 +255,7 @@ class VLLMBackend(TokenizerText):
             self._inbox.clear()
         for row, on_events in pending:
             events.setdefault(on_events, []).append((row, "end", RowStats(new_tokens=0)))
+            self._stop_waiting()
         self._abort(list(self._live), events)
         self._report(events)
 
@@ -277,19 +286,18 @@ class VLLMBackend(TokenizerText):
         for rid in rids:
             self._finish(rid, "end", None, events)
 
-    def _step(self, events: dict[EventCallback, list]) -> None:
+    def _fail_all(self, exc: BaseException, events: dict[EventCallback, list]) -> None:
+        rids = list(self._live)
         try:
-            outputs = self.engine.step()
-        except Exception as exc:  # the engine failed: every row in it fails, later requests start afresh
-            log.exception("a vLLM engine step failed with %d rows in flight", len(self._live))
-            rids = list(self._live)
-            try:
-                self.engine.abort_request(rids)
-            except Exception:  # pragma: no cover - the engine is already broken
-                log.exception("aborting the failed rows failed too")
-            for rid in rids:
-                self._finish(rid, "error", exc, events)
-            return
+            self.engine.abort_request(rids)
+            self._flush = True
+        except Exception:  # pragma: no cover - the engine is already broken
+            log.exception("aborting the failed rows failed too")
+        for rid in rids:
+            self._finish(rid, "error", exc, events)
+
+    def _step(self, events: dict[EventCallback, list]) -> None:
+        outputs = self.engine.step()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
