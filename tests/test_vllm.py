@@ -30,8 +30,6 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from narrative_gravity.control import PhaseScheduleController
-from narrative_gravity.core import apply_gravity
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
     _row_params,
@@ -40,6 +38,8 @@ from narrative_gravity.engines.vllm import (
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
+from narrative_gravity.gravity.schedule import PhaseScheduleController
+from narrative_gravity.gravity.tilt import apply_gravity
 from narrative_gravity.profile import Profile
 from narrative_gravity.steer import controller_from_profile, field_from_profile
 

@@ -5,7 +5,7 @@ mapping as JSON text, which is what ``vllm_xargs`` in vLLM's OpenAI server can c
 it are left untouched and cost nothing. The processor keeps one field per distinct profile (``[F, V]`` on
 the sampler's device), per-row state in ``(max_num_reqs,)`` arrays, and every step it gathers the rows'
 fields, computes one λ per row from the profile's schedule and calls
-:func:`narrative_gravity.core.apply_gravity` on the gravity rows only.
+:func:`narrative_gravity.gravity.tilt.apply_gravity` on the gravity rows only.
 
 It implements vLLM's v1 interface (``update_state(batch_update)`` + ``apply(logits)``, the V1 model runner)
 and, where vLLM ships it, the Model Runner V2 interface (``add_request`` + ``apply(logits, ctx)``), so the
@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..control import ConstantController, PhaseScheduleController
-from ..core import apply_gravity, apply_gravity_on_support, prune_mask
 from ..errors import ProfileError
 from ..fields import NarrativeField
+from ..gravity.schedule import ConstantController, PhaseScheduleController
+from ..gravity.tilt import apply_gravity, apply_gravity_on_support, prune_mask
 from ..profile import Profile
 
 try:  # vLLM is an optional extra: the module imports without it (for docs and doctests) but cannot run.
@@ -334,7 +334,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
     ``__init__(vllm_config, req_states)``. ``tokenizer`` (keyword only, for tests) replaces the engine's
     tokenizer, which is otherwise loaded from the model config on the first gravity request.
 
-    Rows are pulled with :func:`~narrative_gravity.core.apply_gravity`; λ per row is the profile's base
+    Rows are pulled with :func:`~narrative_gravity.gravity.tilt.apply_gravity`; λ per row is the profile's base
     strength times its phase schedule at the row's step (:func:`phase_scale`); the field per row includes
     the multi-token continuations of the row's last tokens. ``strategy`` picks how gravity rows are applied
     in a batch that also has other rows: ``"index"`` (gather the gravity rows, pull, scatter back),

@@ -3,7 +3,7 @@
 Each batch of rows becomes vLLM requests on one in-process engine (``vllm.LLM`` with
 :class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor`), so gravity rides inside vLLM's
 own batch with a profile per request (``SamplingParams.extra_args["gravity"]``), and the math is the same
-:func:`~narrative_gravity.core.apply_gravity` as everywhere else. The engine is stepped in the worker
+:func:`~narrative_gravity.gravity.tilt.apply_gravity` as everywhere else. The engine is stepped in the worker
 thread; every step's new tokens go to the scheduler, and a cancelled row is aborted in the engine.
 
 vLLM schedules prefill and decode itself, so rows do not advance in lockstep: a step reports ``None`` for
