@@ -249,19 +249,20 @@ class GravityKernel:
         self.threshold[row] = np.nan if program.prune_threshold is None else program.prune_threshold
         self.last_stage[row] = len(program.fields) - 1
         self._dirty = True
-        ids = torch.as_tensor(list(prompt) + list(output), dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)
         self.recent[row] = last_tokens(ids[None], self.width)[0]
-        self.step[row] = len(output)
+        self.step[row] = 0
         self.stage[row] = 0
         self.start[row] = 0
         self.seen[row] = False
-        if program.repeat_weight < 1.0 and self._vocab is not None:
-            self._said(self._vocab)
+        if program.repeat_weight < 1.0:
+            self._said(self._width())
         if self.said is not None:
             self.said[row] = False
-            out = ids[len(ids) - len(output) :]
-            if out.numel():
-                self.said[row, out.clamp(0, self.said.shape[1] - 1)] = True
+        if len(output):  # a request that comes back with output (vLLM preemption): replay it, token by token
+            where = torch.tensor([row], device=self.device)
+            for token in output:
+                self.advance(torch.tensor([int(token)], device=self.device), where)
 
     def add_batch(
         self,
@@ -293,6 +294,11 @@ class GravityKernel:
         self.seen[:b] = False
         if self.said is not None:
             self.said[:b] = False
+
+    def program(self, row: int) -> Program | None:
+        """The program ``row`` runs, or ``None``."""
+        slot = int(self.prog[row])
+        return self._programs.get(slot) if slot >= 0 else None
 
     def remove(self, row: int) -> None:
         """``row`` leaves; its program is released."""
@@ -348,9 +354,20 @@ class GravityKernel:
         return self._dev
 
     def _said(self, vocab: int) -> torch.Tensor:
+        """What each row has said, ``[capacity, vocab]`` bool, made (or widened) on first need."""
         if self.said is None or self.said.shape[1] != vocab:
-            self.said = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=self.device)
+            said = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=self.device)
+            if self.said is not None:
+                keep = min(vocab, self.said.shape[1])
+                said[:, :keep] = self.said[:, :keep]
+            self.said = said
         return self.said
+
+    def _width(self) -> int:
+        """The vocabulary width: the logits' once seen, else the widest field."""
+        if self._vocab is not None:
+            return self._vocab
+        return max([1, *(f.vocab_size for p in self._programs.values() for f in p.fields)])
 
     def advance(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, new: torch.Tensor | None = None) -> None:
         """Each of ``rows`` (default ``0..len(tokens)-1``) generated ``tokens``; with ``new`` (bool, per row)
@@ -371,8 +388,9 @@ class GravityKernel:
                 self.said[rows, ids] = True
             else:
                 self.said[rows, ids] = self.said[rows, ids] | new
-        if self.last_stage.any() and self._bank is not None:
-            bank = self._bank_for(*self._bank[0][1:])
+        if self.last_stage.any():
+            dtype = self._bank[0][2] if self._bank is not None else torch.float32
+            bank = self._bank_for(self._width(), dtype)
             dev = self._upload(bank)
             stage, start, seen = advance_stages(
                 self.stage[rows],
@@ -416,9 +434,10 @@ class GravityKernel:
             rows_np = np.arange(b)
         elif rows_np is None:
             rows_np = rows.cpu().numpy()
+        self._vocab = vocab
         bank = self._bank_for(vocab, logits.dtype)
         dev = self._upload(bank)
-        if self.said is None and (self.repeat[rows_np] < 1.0).any():
+        if (self.repeat[rows_np] < 1.0).any():
             self._said(vocab)
         frow = dev["first"][rows] + self.stage[rows]
         support = bank.support
@@ -524,12 +543,9 @@ class GravityKernel:
     # -- the field bank -------------------------------------------------------------------------------
 
     def _bank_for(self, vocab: int, dtype: torch.dtype) -> _Bank:
-        if self._bank is not None and self._bank[0] == (self._version, vocab, dtype):
-            return self._bank[1]
         key = (self._version, vocab, dtype)
         if self._bank is None or self._bank[0] != key:
             self._bank = (key, self._build_bank(vocab, dtype))
-            self._vocab = vocab
         return self._bank[1]
 
     def _build_bank(self, vocab: int, dtype: torch.dtype) -> _Bank:
