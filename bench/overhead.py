@@ -66,8 +66,8 @@ def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
     from transformers import SequenceBiasLogitsProcessor
 
     from narrative_gravity.baselines import ArticleGravityLogitsProcessor
+    from narrative_gravity.gravity.thermo import Trace
     from narrative_gravity.steer import field_from_profile, processor_from_profile
-    from narrative_gravity.thermo import Trace
 
     field_from_profile(profile, tok)  # build (and cache) the field once, outside every timing
 
@@ -217,10 +217,10 @@ def breakdown(
     tok: Any, profile: Any, batch: int, output_ids: torch.Tensor, prompt_len: int, new_tokens: int, calls: int
 ) -> dict[str, float]:
     """Median seconds of each part of our processor's call (same ops, same order, as engines/hf.py)."""
-    from narrative_gravity.control import StepContext
-    from narrative_gravity.core import apply_gravity_on_support
+    from narrative_gravity.gravity.schedule import StepContext
+    from narrative_gravity.gravity.thermo import measure_on_support
+    from narrative_gravity.gravity.tilt import apply_gravity_on_support
     from narrative_gravity.steer import processor_from_profile
-    from narrative_gravity.thermo import measure_on_support
 
     proc = processor_from_profile(profile, tok, max_new_tokens=new_tokens)
     vocab = len(tok)

@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.control: ConstantController and PhaseScheduleController."""
+"""Tests for narrative_gravity.gravity.schedule: ConstantController and PhaseScheduleController."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narrative_gravity.control import (
+from narrative_gravity.errors import ConfigurationError
+from narrative_gravity.gravity.schedule import (
     ConstantController,
     PhaseScheduleController,
     StepContext,
     StrengthController,
 )
-from narrative_gravity.errors import ConfigurationError
 
 
 def ctx(step: int = 0, batch: int = 2, max_new: int | None = 100) -> StepContext:

@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.core: apply_gravity (logits + λ·a) and prune_mask."""
+"""Tests for narrative_gravity.gravity.tilt: apply_gravity (logits + λ·a) and prune_mask."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from narrative_gravity.core import apply_gravity, prune_mask
+from narrative_gravity.gravity.tilt import apply_gravity, prune_mask
 
 NEG_INF = float("-inf")
 

@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.fields.field.NarrativeField: for_step, continuation, fit_vocab, to."""
+"""Tests for narrative_gravity.gravity.field.NarrativeField: for_step, continuation, fit_vocab, to."""
 
 from __future__ import annotations
 

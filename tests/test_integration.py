@@ -9,10 +9,10 @@ import torch
 
 from narrative_gravity.compare import compare_runs, summarize
 from narrative_gravity.generation import SamplingOptions, generate
+from narrative_gravity.gravity.thermo import Trace
 from narrative_gravity.models import load_model, resolve_cache_dir
 from narrative_gravity.profile import Profile, load_profile
 from narrative_gravity.steer import field_from_profile, processor_from_profile
-from narrative_gravity.thermo import Trace
 
 pytestmark = pytest.mark.slow
 

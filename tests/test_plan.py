@@ -7,17 +7,19 @@ import torch
 
 import narrative_gravity.plan as plan_mod
 from narrative_gravity.context import hashing_encoder
+from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
+from narrative_gravity.gravity.stages import StagePlan
 from narrative_gravity.plan import (
     Outline,
-    StagedLogitsProcessor,
     parse_outline,
     parse_stages,
     plan_then_write,
     score_outlines,
     select_outlines,
+    staged_processor,
     stages_from_outline,
 )
 
@@ -143,7 +145,7 @@ def _proc(tok, shares=(0.5, 0.5), max_new_tokens=8, **kw):
         {"name": "p", "core_semantics": ["planet"], "share": shares[0]},
         {"name": "g", "core_semantics": ["galaxy"], "share": shares[1]},
     ]
-    return StagedLogitsProcessor.from_stages(tok, stages, max_new_tokens=max_new_tokens, strength=2.0, **kw)
+    return staged_processor(tok, stages, max_new_tokens=max_new_tokens, strength=2.0, **kw)
 
 
 def test_stage_advances_when_its_words_are_written(tiny_tokenizer):
@@ -204,16 +206,18 @@ def test_new_generation_resets_the_stages(tiny_tokenizer):
 
 def test_the_pull_goes_through_apply_gravity(tiny_tokenizer, monkeypatch):
     calls = []
-    real = plan_mod.apply_gravity
+    import narrative_gravity.gravity.kernel as kernel_mod
 
-    def spy(logits, field, strength, mask=None):
+    real = kernel_mod.apply_gravity
+
+    def spy(logits, field, strength, mask=None, support=None):
         calls.append(field.shape)
-        return real(logits, field, strength, mask)
+        return real(logits, field, strength, mask, support)
 
-    monkeypatch.setattr(plan_mod, "apply_gravity", spy)
+    monkeypatch.setattr(kernel_mod, "apply_gravity", spy)
     proc = _proc(tiny_tokenizer)
     proc(torch.tensor([[5, 6], [7, 8]]), torch.zeros(2, len(tiny_tokenizer)))
-    assert calls == [torch.Size([2, len(tiny_tokenizer)])]
+    assert len(calls) == 1 and calls[0][0] == 2  # one call for the batch (the field on its support)
 
 
 def test_a_base_field_stays_under_every_stage(tiny_tokenizer):
@@ -241,21 +245,19 @@ def test_repeat_weight_moves_the_pull_off_written_stage_words(tiny_tokenizer):
     planet, orbit = _tok_id(tok, "planet"), _tok_id(tok, "orbit")
     prompt = torch.tensor([[planet, 6], [5, 6]])  # row 0 has the word in its prompt: that does not count
     for weight, expected in ((1.0, 2.0), (0.25, 0.5), (0.0, 0.0)):
-        proc = StagedLogitsProcessor.from_stages(
-            tok, stages, max_new_tokens=100, strength=2.0, cover_fraction=1.0, repeat_weight=weight
-        )
+        proc = staged_processor(tok, stages, max_new_tokens=100, strength=2.0, cover_fraction=1.0, repeat_weight=weight)
         out = proc(prompt, torch.zeros(2, v))
         assert out[:, planet].tolist() == [2.0, 2.0]
         out = proc(torch.cat([prompt, torch.tensor([[9], [planet]])], dim=1), torch.zeros(2, v))
         assert out[0, planet] == 2.0 and out[1, planet] == expected  # only the row that wrote it
         assert out[:, orbit].tolist() == [2.0, 2.0]  # the stage's other word keeps its pull
     with pytest.raises(ConfigurationError, match="repeat_weight"):
-        StagedLogitsProcessor.from_stages(tok, stages, max_new_tokens=4, repeat_weight=1.5)
+        staged_processor(tok, stages, max_new_tokens=4, repeat_weight=1.5)
 
 
 def test_multi_token_words_continue_per_stage(tiny_tokenizer):
     tok = tiny_tokenizer
-    proc = StagedLogitsProcessor.from_stages(
+    proc = staged_processor(
         tok, [{"core_semantics": ["telescope"]}, {"core_semantics": ["galaxy"]}], max_new_tokens=100, strength=1.0
     )
     first, second = surface_forms(tok, "telescope")[0][:2]
@@ -268,13 +270,15 @@ def test_multi_token_words_continue_per_stage(tiny_tokenizer):
 def test_processor_validation(tiny_tokenizer):
     f = NarrativeField(values=torch.zeros(4))
     with pytest.raises(ConfigurationError, match="shares"):
-        StagedLogitsProcessor([f, f], [0.5], max_new_tokens=4)
+        StagePlan((f, f), (0.5,))
     with pytest.raises(ConfigurationError, match="fields"):
-        StagedLogitsProcessor([], [], max_new_tokens=4)
+        StagePlan((), ())
     with pytest.raises(ConfigurationError, match="max_new_tokens"):
-        StagedLogitsProcessor([f], [1.0], max_new_tokens=0)
+        NarrativeGravityLogitsProcessor(stages=StagePlan((f,), (1.0,)), max_new_tokens=0)
+    with pytest.raises(ConfigurationError, match="max_new_tokens"):
+        NarrativeGravityLogitsProcessor(stages=StagePlan((f,), (1.0,)))
     with pytest.raises(ConfigurationError, match="cover_fraction"):
-        StagedLogitsProcessor([f], [1.0], max_new_tokens=4, cover_fraction=0)
+        StagePlan((f,), (1.0,), cover_fraction=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,18 +310,18 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
 
 
 def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny_model, monkeypatch):
-    from narrative_gravity.control import ConstantController, ThermostatController
+    from narrative_gravity.gravity.schedule import ConstantController, ThermostatController
     from narrative_gravity.profile import TOPIC_DEFAULTS
 
     model, tok = tiny_model
     built = []
-    real = plan_mod.StagedLogitsProcessor.from_stages
+    real = plan_mod.staged_processor
 
     def spy(tokenizer, stages, **kw):
         built.append(kw)
         return real(tokenizer, stages, **kw)
 
-    monkeypatch.setattr(plan_mod.StagedLogitsProcessor, "from_stages", spy)
+    monkeypatch.setattr(plan_mod, "staged_processor", spy)
     kw = {"n_drafts": 2, "outline_tokens": 8, "max_new_tokens": 6, "encoder": ENC}
     res = plan_then_write(model, tok, "the planet and its orbit", **kw)
     assert 0 < res.write_tokens <= 6
@@ -421,13 +425,13 @@ def _staged_profile(**extra):
 
 
 def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
+    from narrative_gravity.gravity.thermo import Trace
     from narrative_gravity.steer import processor_from_profile
-    from narrative_gravity.thermo import Trace
 
     tok = tiny_tokenizer
     trace = Trace()
     proc = processor_from_profile(_staged_profile(), tok, max_new_tokens=8, trace=trace)
-    assert isinstance(proc, StagedLogitsProcessor)
+    assert isinstance(proc, NarrativeGravityLogitsProcessor) and proc.program.stages is not None
     planet, galaxy = _tok_id(tok, "planet"), _tok_id(tok, "galaxy")
     ids, pulled = torch.tensor([[5, 6, 7]]), []
     for _ in range(4):  # stage 0 has 2 of the 8 tokens

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from narrative_gravity.control import ConstantController, PhaseScheduleController, StepContext
-from narrative_gravity.core import apply_gravity
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.thermo import Trace, measure
+from narrative_gravity.gravity.schedule import ConstantController, PhaseScheduleController, StepContext
+from narrative_gravity.gravity.thermo import Trace, measure
+from narrative_gravity.gravity.tilt import apply_gravity
 
 NEG_INF = float("-inf")
 V = 6
@@ -122,13 +122,18 @@ def test_controller_sees_context() -> None:
     c = ctl.seen[-1]
     assert c.max_new_tokens == 7 and c.batch_size == 2 and c.device.type == "cpu"
     assert c.input_ids.shape == (2, 5) and c.logits.shape == (2, V)
-    assert torch.equal(c.field, plain_field().values)
+    assert torch.equal(c.field, plain_field().values.expand(2, -1))  # the dense field of every row
 
 
-class DenseConstant(ConstantController):
-    """A constant controller that asks for the dense field, so the processor takes the dense path."""
+class DenseConstant:
+    """A controller of the user's own (not a built-in schedule): it gets the dense ``[B, V]`` field."""
 
-    needs_field = True
+    def __init__(self, strength: float) -> None:
+        self.strength = strength
+
+    def __call__(self, ctx: StepContext) -> torch.Tensor:
+        assert ctx.field is not None and ctx.field.shape == (ctx.batch_size, ctx.logits.shape[-1])
+        return torch.full((ctx.batch_size,), self.strength)
 
 
 def random_field(seed: int, v: int = 40, entries: int = 12) -> NarrativeField:
@@ -157,7 +162,6 @@ def test_support_path_equals_dense_path(seed: int, batch: int, strength: float) 
     fast_trace, dense_trace = Trace(), Trace()
     fast = NarrativeGravityLogitsProcessor(field, strength=strength, trace=fast_trace)
     dense = NarrativeGravityLogitsProcessor(field, DenseConstant(strength), trace=dense_trace)
-    assert fast._sparse and not dense._sparse
     out_fast, out_dense = fast(ids, logits), dense(ids, logits)
     expected = apply_gravity(logits, field.for_step(ids), strength)
     torch.testing.assert_close(out_fast, expected, rtol=1e-6, atol=1e-6)
@@ -216,7 +220,6 @@ def test_controller_without_needs_field_gets_the_dense_field() -> None:
     proc = NarrativeGravityLogitsProcessor(field, ctl)
     ids = torch.randint(0, 6, (2, 5), generator=torch.Generator().manual_seed(0))
     proc(ids, torch.zeros(2, 40))
-    assert not proc._sparse
     assert torch.equal(ctl.seen[0].field, field.for_step(ids))
 
 
@@ -569,8 +572,8 @@ def test_row_with_both_infinities_is_not_mistaken_for_nan():
     assert torch.isposinf(out[0, 0]) and torch.isneginf(out[0, 1])
 
 
-def test_thermostat_trace_reuses_the_controllers_softmax_and_matches_measure() -> None:
-    from narrative_gravity.control import ThermostatController
+def test_thermostat_trace_matches_measure() -> None:
+    from narrative_gravity.gravity.schedule import ThermostatController
 
     g = torch.Generator().manual_seed(5)
     values = torch.zeros(50)
@@ -584,7 +587,6 @@ def test_thermostat_trace_reuses_the_controllers_softmax_and_matches_measure() -
     logits[:, :6] -= 4.0  # little mass on the narrative: the thermostat has to pull
     logits[1, 20:] = NEG_INF
     proc(ids, logits)
-    assert ctl.last_problem.logits is logits  # the thermometer's input came from the controller
     lam = trace.tensor()[:, 0, 4]
     assert (lam > 0).any()
     reference = measure(logits, values, lam).stack()

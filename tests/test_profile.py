@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from narrative_gravity.control import PhaseScheduleController
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
+from narrative_gravity.gravity.schedule import PhaseScheduleController
 from narrative_gravity.profile import FieldOptions, Phases, Profile, load_profile
 
 CLASSIC = {

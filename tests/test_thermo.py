@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.thermo: measure() and Trace."""
+"""Tests for narrative_gravity.gravity.thermo: measure() and Trace."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from narrative_gravity.core import apply_gravity, prune_mask
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.thermo import METRICS, Measurement, Trace, measure, narrative_mass
+from narrative_gravity.gravity.thermo import METRICS, Measurement, Trace, measure, narrative_mass
+from narrative_gravity.gravity.tilt import apply_gravity, prune_mask
 
 NEG_INF = float("-inf")
 

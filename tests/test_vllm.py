@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 try:
     import vllm  # noqa: F401
@@ -30,25 +32,36 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from narrative_gravity.control import PhaseScheduleController
-from narrative_gravity.core import apply_gravity
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
-    _row_params,
     _V2LogitsProcessor,
-    phase_scale,
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.profile import Profile
-from narrative_gravity.steer import controller_from_profile, field_from_profile
+from narrative_gravity.steer import field_from_profile, processor_from_profile
 
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 
-# Profiles for the synthetic tests (words of the tiny tokenizer in conftest.py).
+# Profiles for the synthetic tests (words of the tiny tokenizer in conftest.py): every kind the kernel runs.
 P_PLANET = {"core_semantics": ["planet"], "gravity_strength": 2.0, "schedule": "constant"}
 P_ORBIT = {"core_semantics": ["orbit", "galaxy"], "gravity_strength": 3.0, "decay_after_steps": 2}
 P_PRUNE = {"core_semantics": ["moon"], "penalize": ["planet"], "gravity_strength": 1.0, "prune_threshold": -0.5}
+P_THERMO = {
+    "core_semantics": ["orbit", "planet", "moon"],
+    "schedule": "thermostat",
+    "field": {"repeat_weight": 0.0},
+    "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
+}
+P_STAGES = {
+    "core_semantics": ["planet"],
+    "gravity_strength": 2.0,
+    "schedule": "constant",
+    "stages": [{"core_semantics": ["orbit"], "share": 0.3}, {"core_semantics": ["galaxy", "moon"]}],
+}
+P_STAGES_PRUNE = {**P_STAGES, "penalize": ["comet"], "prune_threshold": -0.5, "schedule": "thermostat"}
+P_TEXT_DRIFT = {**P_THERMO, "thermostat": {**P_THERMO["thermostat"], "drift_scope": "text", "drift_window": 4}}
+KINDS = [P_PLANET, P_ORBIT, P_PRUNE, P_THERMO, P_STAGES, P_STAGES_PRUNE, P_TEXT_DRIFT]
 
 
 def _params(profile: dict[str, Any] | None, max_tokens: int = 10) -> SamplingParams:
@@ -60,18 +73,28 @@ def _processor(tokenizer: Any, max_num_reqs: int = 8) -> NarrativeGravityVLLMLog
     return NarrativeGravityVLLMLogitsProcessor(config, torch.device("cpu"), False, tokenizer=tokenizer)
 
 
-def _expected(tokenizer: Any, profile: dict[str, Any] | None, logits: torch.Tensor, history: list[int], step: int):
-    """One row as the transformers processor computes it: field for the history, controller's λ, apply_gravity."""
+def _solo(
+    tokenizer: Any,
+    profile: dict[str, Any] | None,
+    prompt: list[int],
+    out: list[int],
+    logits: torch.Tensor,
+    budget: int = 10,
+    history: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """The row run alone through the transformers adapter: the prompt, then each output token, then
+    ``logits``. Returns the pulled logits ``[1, V]`` and λ. ``history`` gives the logits of earlier steps
+    (else zeros, which matter only for what the thermostat measured)."""
     if profile is None:
-        return logits
-    p = Profile.from_mapping(profile)
-    field = field_from_profile(p, tokenizer).fit_vocab(logits.shape[-1])
-    a = field.for_step(torch.tensor([history or [-2]]))
-    if a.dim() == 1:
-        a = a[None]
-    lam = controller_from_profile(p)(SimpleNamespace(step=step, max_new_tokens=10, batch_size=1, device="cpu"))
-    mask = None if p.prune_threshold is None else a <= p.prune_threshold
-    return apply_gravity(logits, a, lam, mask)
+        return logits, 0.0
+    proc = processor_from_profile(Profile.from_mapping(profile), tokenizer, max_new_tokens=budget)
+    ids = list(prompt)
+    for t, token in enumerate(out):
+        step_logits = history[t] if history is not None else torch.zeros_like(logits)
+        proc(torch.tensor([ids]), step_logits)
+        ids.append(token)
+    pulled = proc(torch.tensor([ids]), logits)
+    return pulled, float(proc.last_strength[0])
 
 
 def test_update_state_keeps_each_profile_on_its_row(tiny_tokenizer: Any) -> None:
@@ -81,14 +104,14 @@ def test_update_state_keeps_each_profile_on_its_row(tiny_tokenizer: Any) -> None
     torch.manual_seed(0)
     prompt = tiny_tokenizer("The crew watches a")["input_ids"]
     outs = {name: [] for name in "abcd"}  # live output lists, as vLLM hands them out
-    reqs = {"a": P_PLANET, "b": None, "c": P_ORBIT, "d": P_PRUNE}
+    reqs = {"a": P_STAGES, "b": None, "c": P_ORBIT, "d": P_THERMO}
 
     def check(rows: dict[int, str]) -> None:
         logits = torch.randn(len(rows), v)
         got = proc.apply(logits.clone())
         for i, name in rows.items():
             out = outs[name]
-            want = _expected(tiny_tokenizer, reqs[name], logits[i : i + 1], prompt + out, len(out))
+            want, _ = _solo(tiny_tokenizer, reqs[name], prompt, out, logits[i : i + 1])
             torch.testing.assert_close(got[i : i + 1], want, msg=f"row {i} should carry request {name!r}")
 
     added = [(i, _params(reqs[n]), prompt, outs[n]) for i, n in enumerate("abcd")]
@@ -110,7 +133,7 @@ def test_update_state_keeps_each_profile_on_its_row(tiny_tokenizer: Any) -> None
     # A new request takes a freed index and replaces nothing else.
     outs["a"] = []
     proc.update_state(
-        BatchUpdate(batch_size=4, removed=[], added=[(3, _params(P_PLANET), prompt, outs["a"])], moved=[])
+        BatchUpdate(batch_size=4, removed=[], added=[(3, _params(P_STAGES), prompt, outs["a"])], moved=[])
     )
     check({0: "d", 1: "c", 2: "b", 3: "a"})
     # Only the no-gravity row left: nothing is touched (the same tensor comes back).
@@ -119,21 +142,26 @@ def test_update_state_keeps_each_profile_on_its_row(tiny_tokenizer: Any) -> None
     )
     logits = torch.randn(1, v)
     assert proc.apply(logits) is logits
-    assert proc.fields.refs == [0] * len(proc.fields.refs)  # every field released, still cached for reuse
-    assert len(proc.fields.by_key) == 3  # the second P_PLANET request reused the first one's field
+    assert set(proc.kernel._refs.values()) == {0}  # every program released, still cached for reuse
+    assert len(proc.kernel._by_key) == 3  # the second P_STAGES request reused the first one's program
 
 
-@pytest.mark.parametrize("strategy", ["index", "mask"])
 @pytest.mark.parametrize(
     "profiles",
-    [[P_PLANET, None, P_PRUNE], [P_ORBIT, None, P_ORBIT], [P_ORBIT, P_ORBIT], [P_PRUNE, P_ORBIT]],
-    ids=["two-fields", "one-field", "all-rows", "all-rows-two-fields"],
+    [
+        [P_PLANET, None, P_PRUNE],
+        [P_ORBIT, None, P_ORBIT],
+        [P_ORBIT, P_ORBIT],
+        [P_PRUNE, P_ORBIT],
+        [P_THERMO, None, P_STAGES, P_STAGES_PRUNE],
+        [P_TEXT_DRIFT, P_THERMO, P_PRUNE],
+    ],
+    ids=["two-fields", "one-field", "all-rows", "all-rows-two-fields", "thermostat-stages", "drift-scopes"],
 )
-def test_strategies_and_layouts_agree(tiny_tokenizer: Any, strategy: str, profiles: list[Any]) -> None:
-    """Every way of applying (gather/scatter, masked strength, whole batch; one field or several) gives
-    each row what the transformers processor would."""
+def test_layouts_agree(tiny_tokenizer: Any, profiles: list[Any]) -> None:
+    """Rows of one field or several, with rows of no gravity or none: each row gets what the transformers
+    adapter gives it alone."""
     proc = _processor(tiny_tokenizer)
-    proc.strategy = strategy
     prompt = tiny_tokenizer("The crew watches a")["input_ids"]
     orbit = field_from_profile(Profile.from_mapping(P_ORBIT), tiny_tokenizer)
     out = [t for t in orbit.prefixes[-1].tolist() if t >= 0]  # mid-word: the continuation must fire
@@ -142,8 +170,63 @@ def test_strategies_and_layouts_agree(tiny_tokenizer: Any, strategy: str, profil
     logits = torch.randn(len(profiles), len(tiny_tokenizer))
     got = proc.apply(logits.clone())
     for i, p in enumerate(profiles):
-        want = _expected(tiny_tokenizer, p, logits[i : i + 1], prompt + out, len(out))
+        want, _ = _solo(tiny_tokenizer, p, prompt, out, logits[i : i + 1])
         torch.testing.assert_close(got[i : i + 1], want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_rows_joining_at_different_steps_equal_their_solo_runs(tiny_tokenizer: Any, data: Any) -> None:
+    """A batch where rows join and leave at any step, with different budgets and profiles (and none): at
+    every step each row's λ and logits equal its run alone through the transformers adapter."""
+    v = len(tiny_tokenizer)
+    proc = _processor(tiny_tokenizer, max_num_reqs=4)
+    prompts = [tiny_tokenizer(t)["input_ids"] for t in ("The crew", "A small moon moves", "Our galaxy")]
+    live: dict[int, dict[str, Any]] = {}  # batch index -> request
+    n_steps = data.draw(st.integers(4, 9), label="steps")
+    for _ in range(n_steps):
+        free = [i for i in range(4) if i not in live]
+        added = []
+        if free and data.draw(st.booleans(), label="join"):
+            req = {
+                "profile": data.draw(st.sampled_from([None, *KINDS]), label="profile"),
+                "prompt": data.draw(st.sampled_from(prompts), label="prompt"),
+                "budget": data.draw(st.integers(3, 12), label="budget"),
+                "out": [],
+                "logits": [],
+            }
+            live[free[0]] = req
+            added.append((free[0], _params(req["profile"], req["budget"]), req["prompt"], req["out"]))
+        done = [i for i, r in live.items() if len(r["out"]) >= r["budget"]]
+        for i in done:
+            del live[i]
+        if not live:
+            continue
+        # vLLM keeps its batch dense: compact the rows (moves), then the batch holds indices 0..n-1
+        moved = []
+        for dst in range(len(live)):
+            if dst not in live:
+                src = max(live)
+                live[dst] = live.pop(src)
+                moved.append((src, dst, MoveDirectionality.UNIDIRECTIONAL))
+        proc.update_state(BatchUpdate(batch_size=len(live), removed=done, added=added, moved=moved))
+        logits = torch.randn(len(live), v) * 2
+        got = proc.apply(logits.clone())
+        for i, req in live.items():
+            want, lam = _solo(
+                tiny_tokenizer,
+                req["profile"],
+                req["prompt"],
+                req["out"],
+                logits[i : i + 1],
+                req["budget"],
+                req["logits"],
+            )
+            torch.testing.assert_close(got[i : i + 1], want, msg=f"row {i}: {req['profile']}")
+            got_lam = 0.0 if proc.last_strength is None else float(proc.last_strength[i])
+            assert got_lam == pytest.approx(lam, abs=1e-5), f"row {i}: {req['profile']}"
+            req["logits"].append(logits[i : i + 1])
+            req["out"].append(int(torch.argmax(got[i])))
 
 
 @pytest.mark.skipif(_V2LogitsProcessor is None, reason="this vLLM has no Model Runner V2 interface")
@@ -187,7 +270,7 @@ def test_model_runner_v2_interface(tiny_tokenizer: Any) -> None:
     got = proc.apply(logits.clone(), ctx)
     for i, slot in enumerate(order):
         profile, prompt, out = reqs[slot]
-        want = _expected(tiny_tokenizer, profile, logits[i : i + 1], prompt + out, len(out))
+        want, _ = _solo(tiny_tokenizer, profile, prompt, out, logits[i : i + 1])
         torch.testing.assert_close(got[i : i + 1], want, msg=f"row {i} (slot {slot})")
     # A recycled slot is fully re-initialized: slot 5 now holds a request without gravity.
     proc.add_request(5, _params(None))
@@ -202,24 +285,6 @@ def test_model_runner_v2_interface(tiny_tokenizer: Any) -> None:
     assert proc.apply(logits, ctx5) is logits
 
 
-def test_phase_scale_matches_the_controller() -> None:
-    profiles = [
-        Profile(core_semantics=["x"]),
-        Profile(core_semantics=["x"], decay_after_steps=5, decay_half_life=3.0),
-        Profile(core_semantics=["x"], schedule="constant", decay_after_steps=0),
-        Profile(core_semantics=["x"], schedule="constant"),
-        Profile(core_semantics=["x"], phases={"explore_until": 0.3, "strict_from": 0.3, "strict": 2.5}),
-    ]
-    for profile in profiles:
-        ctrl = controller_from_profile(profile)
-        for budget in (None, 1, 7, 15, 100):
-            steps = torch.arange(0, 120)
-            params = torch.from_numpy(_row_params(profile, budget)).expand(len(steps), -1)
-            got = phase_scale(steps, params).tolist()
-            want = [ctrl.scale(t, budget) if isinstance(ctrl, PhaseScheduleController) else 1.0 for t in range(120)]
-            assert got == pytest.approx(want, rel=1e-12, abs=0), (profile, budget)
-
-
 def test_bad_profiles_are_rejected_with_the_key() -> None:
     validate = NarrativeGravityVLLMLogitsProcessor.validate_params
     validate(_params(None))
@@ -227,14 +292,16 @@ def test_bad_profiles_are_rejected_with_the_key() -> None:
     cases = {
         "gravity_strenght": {"core_semantics": ["x"], "gravity_strenght": 2},
         "gravity_strength": {"core_semantics": ["x"], "gravity_strength": -1},
-        "schedule": {"core_semantics": ["x"], "schedule": "thermostat"},
-        "repeat_weight": {"core_semantics": ["x"], "field": {"repeat_weight": 0.5}},
+        "schedule": {"core_semantics": ["x"], "schedule": "thermostat!"},
+        "repeat_weight": {"core_semantics": ["x"], "field": {"repeat_weight": 1.5}},
         "not valid JSON": "{core_semantics: x}",
     }
     for needle, bad in cases.items():
         with pytest.raises(ProfileError, match=needle):
             validate(SamplingParams(extra_args={"gravity": bad}))
     assert profile_from_extra_args({"gravity": '{"core_semantics": ["x"]}'}).core_semantics == ["x"]
+    for kind in KINDS:  # every profile the transformers engine runs is valid here too
+        validate(_params(kind))
 
 
 def test_entry_point_is_registered() -> None:

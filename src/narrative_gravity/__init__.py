@@ -12,8 +12,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .control import ConstantController, PhaseScheduleController, StepContext, StrengthController
-from .core import apply_gravity, prune_mask
 from .errors import (
     ConfigurationError,
     FieldError,
@@ -24,7 +22,9 @@ from .errors import (
     VocabularyError,
 )
 from .fields import NarrativeField, WordReport
-from .thermo import Measurement, Trace, measure
+from .gravity.schedule import ConstantController, PhaseScheduleController, StepContext, StrengthController
+from .gravity.thermo import Measurement, Trace, measure
+from .gravity.tilt import apply_gravity, prune_mask
 
 __all__ = [
     "ConfigurationError",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigurationError
-from .thermo import Trace
+from .gravity.thermo import Trace
 
 __all__ = [
     "GenerationResult",

@@ -227,7 +227,7 @@ class Conversation:
         return merge_fields(parts, name="conversation") if parts else None
 
     def _controller(self) -> Any:
-        from .control import ConstantController
+        from .gravity.schedule import ConstantController
 
         if self.strength is not None:
             return ConstantController(self.strength)

@@ -8,11 +8,11 @@
    duplicate_penalty · duplicate share)``; the best draft is kept (:func:`select_outlines` with ``k > 1``
    keeps several by MMR, trading score against similarity to the drafts already kept).
 3. **Stages**: each section becomes a :class:`Stage` (its content words, a share of the token budget), each
-   stage a lexical field (:func:`~narrative_gravity.fields.build_lexical_field`), and
-   :class:`StagedLogitsProcessor` pulls every row toward its current stage, moving on when the stage's
-   content is covered (``cover_fraction`` of its words generated) or its token share is spent. The pull is
-   :func:`narrative_gravity.core.apply_gravity`; the per-row stage bookkeeping is a handful of batched
-   tensor operations (no loop over rows).
+   stage a lexical field (:func:`~narrative_gravity.fields.build_lexical_field`); :func:`stage_plan` turns
+   them into the kernel's :class:`~narrative_gravity.gravity.stages.StagePlan`, a field source of the one
+   logits processor: every row pulls toward its current stage, moving on when the stage's content is
+   covered (``cover_fraction`` of its words generated) or its token share is spent
+   (:func:`~narrative_gravity.gravity.stages.advance_stages`, per row, no loop over rows).
 
 Stages can also be declared by hand (``[{"name": ..., "core_semantics": [...], "share": 0.5}, ...]``, see
 :func:`parse_stages`).
@@ -26,7 +26,6 @@ Stages can also be declared by hand (``[{"name": ..., "core_semantics": [...], "
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -35,21 +34,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor
 
-from .control import ConstantController, StepContext, StrengthController
-from .core import apply_gravity, check_repeat_weight, damp_repeats
-from .errors import ConfigurationError, FieldError
+from .engines.hf import NarrativeGravityLogitsProcessor
+from .errors import ConfigurationError
 from .fields import NarrativeField, combine_fields
 from .fields.lexical import build_lexical_field, reach, surface_forms
+from .gravity.schedule import ConstantController, StrengthController
+from .gravity.stages import StagePlan
 from .text import STOPWORDS, content_words, word_set
-from .thermo import Trace, measure
 
 __all__ = [
     "Outline",
     "PlanResult",
     "Stage",
-    "StagedLogitsProcessor",
     "build_stage_fields",
     "draft_outlines",
     "outline_prompt",
@@ -59,6 +56,8 @@ __all__ = [
     "plan_then_write",
     "score_outlines",
     "select_outlines",
+    "stage_plan",
+    "staged_processor",
     "stages_from_outline",
 ]
 
@@ -144,223 +143,53 @@ def build_stage_fields(tokenizer: Any, stages: Sequence[Stage], **kwargs: Any) -
     return out
 
 
-class StagedLogitsProcessor(LogitsProcessor):
-    """Pull every row toward the field of its current stage; advance when the stage is covered or spent.
+def stage_plan(
+    tokenizer: Any,
+    stages: Sequence[Stage] | Sequence[Mapping[str, Any]],
+    *,
+    base: NarrativeField | None = None,
+    base_weight: float = 1.0,
+    cover_fraction: float = 0.5,
+) -> StagePlan:
+    """The kernel's :class:`~narrative_gravity.gravity.stages.StagePlan` of ``stages`` for ``tokenizer``.
 
-    Args:
-        fields: one :class:`~narrative_gravity.fields.NarrativeField` per stage, in order.
-        shares: each stage's fraction of ``max_new_tokens`` (a stage ends when it has used that many tokens).
-        words: for each stage, for each of its words, the token-id sequences of the word's surface forms (see
-            :func:`~narrative_gravity.fields.lexical.surface_forms`); a word counts as generated when a row's
-            last tokens spell one of its forms. ``None`` = stages advance on their share only.
-        controller: a strength controller (default: constant ``strength``).
-        strength: λ when no controller is given.
-        max_new_tokens: the budget the shares divide.
-        cover_fraction: a stage is covered once this share of its words (at least one) has been generated.
-        trace: a :class:`~narrative_gravity.thermo.Trace` to record entropy, mass (on the current stage's
-            field), KL and λ per row and step; ``None`` = off.
-        repeat_weight: the share of its pull a stage word's token keeps once the row has generated it
-            (``1`` = off, ``0`` = a token pulls until it is written, then the pull moves to the stage's other
-            words; :func:`~narrative_gravity.core.damp_repeats`).
-
-    ``stage`` holds each row's current stage after a call (``[B]``). Scores are returned as a new tensor.
+    Each stage gets a lexical field of its reachable words (:func:`build_stage_fields`) and the token ids
+    of their surface forms, so that a row moves on once it has written ``cover_fraction`` of them. ``base``
+    is a field every stage keeps under its own (for example the semantic field of the whole prompt): each
+    stage's positive values become ``max(stage, base_weight × base)``, its penalties win
+    (:func:`~narrative_gravity.fields.combine_fields`).
     """
+    parsed = parse_stages(stages)
+    fields = build_stage_fields(tokenizer, parsed)
+    if base is not None:
+        fields = [combine_fields(f, base, weight=base_weight) for f in fields]
+    words = []
+    for s in parsed:
+        ok, _ = reach(tokenizer, s.core_semantics, max_pieces=8)
+        words.append(tuple(tuple(tuple(f) for f in surface_forms(tokenizer, w)) for w in ok))
+    return StagePlan(
+        fields=tuple(fields),
+        shares=tuple(s.share for s in parsed),
+        words=tuple(words),
+        cover_fraction=cover_fraction,
+        names=tuple(s.name for s in parsed),
+    )
 
-    def __init__(
-        self,
-        fields: Sequence[NarrativeField],
-        shares: Sequence[float],
-        *,
-        words: Sequence[Sequence[Sequence[int]]] | None = None,
-        controller: StrengthController | None = None,
-        strength: float = 1.5,
-        max_new_tokens: int,
-        cover_fraction: float = 0.5,
-        trace: Trace | None = None,
-        repeat_weight: float = 1.0,
-    ) -> None:
-        if not fields or any(not isinstance(f, NarrativeField) for f in fields):
-            raise ConfigurationError("`fields` has to be a non-empty list of NarrativeField, one per stage")
-        if len(shares) != len(fields) or any(not (isinstance(s, (int, float)) and s > 0) for s in shares):
-            raise ConfigurationError(
-                f"`shares` needs one positive number per stage ({len(fields)}), but is {list(shares)!r}"
-            )
-        if words is not None and len(words) != len(fields):
-            raise ConfigurationError(f"`words` needs one list per stage ({len(fields)}), but has {len(words)}")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
-        if not 0 < cover_fraction <= 1:
-            raise ConfigurationError(f"`cover_fraction` has to be in (0, 1], but is {cover_fraction!r}")
-        self.repeat_weight = check_repeat_weight(repeat_weight)
-        self.controller = controller if controller is not None else ConstantController(strength)
-        self.max_new_tokens = max_new_tokens
-        n = len(fields)
-        vocab = max(f.vocab_size for f in fields)
-        self.values = torch.stack([f.fit_vocab(vocab).values for f in fields])  # [S, V]
-        # one continuation table for all stages, each entry tagged with its stage
-        tables = [(s, f) for s, f in enumerate(fields) if f.has_continuations]
-        self.prefixes = self.next_ids = self.next_values = self.entry_stage = None
-        if tables:
-            width = max(f.max_prefix_len for _, f in tables)
-            self.prefixes = torch.cat(
-                [torch.nn.functional.pad(f.prefixes, (width - f.max_prefix_len, 0), value=-1) for _, f in tables]
-            )
-            self.next_ids = torch.cat([f.next_ids for _, f in tables])
-            self.next_values = torch.cat([f.next_values for _, f in tables])
-            self.entry_stage = torch.cat([torch.full((f.next_ids.shape[0],), s) for s, f in tables])
-        # every surface form of every stage word, right-aligned, tagged with its stage and word
-        n_words = [len(w) for w in words] if words is not None else [0] * n
-        self.n_words = max(1, *n_words)
-        rows = [
-            (s, j, tuple(form))
-            for s, ws in enumerate(words or [])
-            for j, forms in enumerate(ws)
-            for form in forms
-            if form and all(0 <= t < vocab for t in form)
-        ]
-        self.forms = self.form_slot = None
-        if rows:
-            lf = max(len(f) for *_, f in rows)
-            self.forms = torch.tensor([[-1] * (lf - len(f)) + list(f) for *_, f in rows], dtype=torch.long)
-            self.form_stage = torch.tensor([s for s, _, _ in rows], dtype=torch.long)
-            self.form_slot = torch.tensor([s * self.n_words + j for s, j, _ in rows], dtype=torch.long)
-        need = [max(1, math.ceil(cover_fraction * k)) if k else 10**9 for k in n_words]
-        self.need = torch.tensor(need, dtype=torch.long)
-        self.budget = torch.tensor([max(1, round(s * max_new_tokens)) for s in shares], dtype=torch.long)
-        self.n_stages = n
-        self.trace = trace
-        self.reset()
 
-    @classmethod
-    def from_stages(
-        cls,
-        tokenizer: Any,
-        stages: Sequence[Stage] | Sequence[Mapping[str, Any]],
-        *,
-        base: NarrativeField | None = None,
-        base_weight: float = 1.0,
-        **kwargs: Any,
-    ) -> Any:
-        """Build the fields and word tables of ``stages`` for ``tokenizer``; ``kwargs`` go to the constructor.
-
-        ``base`` is a field every stage keeps under its own (for example the semantic field of the whole
-        prompt): each stage's positive values become ``max(stage, base_weight × base)``, its penalties win
-        (:func:`~narrative_gravity.fields.combine_fields`).
-        """
-        parsed = parse_stages(stages)
-        fields = build_stage_fields(tokenizer, parsed)
-        if base is not None:
-            fields = [combine_fields(f, base, weight=base_weight) for f in fields]
-        words = []
-        for s in parsed:
-            ok, _ = reach(tokenizer, s.core_semantics, max_pieces=8)
-            words.append([surface_forms(tokenizer, w) for w in ok])
-        return cls(fields, [s.share for s in parsed], words=words, **kwargs)
-
-    def reset(self) -> None:
-        self._last_len: int | None = None
-        self._prompt_len = 0
-        self.stage: torch.Tensor | None = None
-        self._start: torch.Tensor | None = None
-        self._seen: torch.Tensor | None = None
-        if self.trace is not None:
-            self.trace.reset()
-
-    def _to(self, device: torch.device, dtype: torch.dtype) -> None:
-        if self.values.device != device or self.values.dtype != dtype:
-            self.values = self.values.to(device, dtype)
-            self.need, self.budget = self.need.to(device), self.budget.to(device)
-            if self.forms is not None:
-                self.forms, self.form_stage, self.form_slot = (
-                    t.to(device) for t in (self.forms, self.form_stage, self.form_slot)
-                )
-            if self.prefixes is not None:
-                self.prefixes, self.next_ids, self.entry_stage = (
-                    t.to(device) for t in (self.prefixes, self.next_ids, self.entry_stage)
-                )
-                self.next_values = self.next_values.to(device, dtype)
-
-    def _advance(self, input_ids: torch.Tensor, step: int) -> None:
-        """Mark the words whose full form the rows just finished, and move rows whose stage is covered or spent."""
-        b = input_ids.shape[0]
-        rows = torch.arange(b, device=input_ids.device)
-        if self.forms is not None:
-            lf = self.forms.shape[1]
-            tail = input_ids[:, -lf:]
-            if tail.shape[1] < lf:
-                tail = torch.nn.functional.pad(tail, (lf - tail.shape[1], 0), value=-2)
-            done = ((tail[:, None, :] == self.forms[None]) | (self.forms[None] < 0)).all(dim=-1)  # [B, F]
-            done &= self.form_stage[None] == self.stage[:, None]
-            hits = torch.zeros(b, self._seen[0].numel(), device=input_ids.device)
-            hits.scatter_add_(1, self.form_slot[None].expand(b, -1), done.float())
-            self._seen |= (hits > 0).view_as(self._seen)
-        covered = self._seen[rows, self.stage].sum(dim=-1)
-        spent = step - self._start
-        move = ((covered >= self.need[self.stage]) | (spent >= self.budget[self.stage])) & (
-            self.stage < self.n_stages - 1
-        )
-        self.stage = self.stage + move.long()
-        self._start = torch.where(move, torch.full_like(self._start, step), self._start)
-
-    def _field(self, input_ids: torch.Tensor) -> torch.Tensor:
-        a = self.values[self.stage]  # [B, V]
-        if self.prefixes is None:
-            return a
-        b = input_ids.shape[0]
-        lp = self.prefixes.shape[1]
-        tail = input_ids[:, -lp:]
-        if tail.shape[1] < lp:
-            tail = torch.nn.functional.pad(tail, (lp - tail.shape[1], 0), value=-2)
-        pref = self.prefixes
-        match = ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)  # [B, E]
-        match &= self.entry_stage[None] == self.stage[:, None]
-        cont = torch.zeros_like(a)
-        cont.scatter_add_(1, self.next_ids[None].expand(b, -1), match.to(a.dtype) * self.next_values[None])
-        return (a + cont).clamp(-1.0, 1.0)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if scores.dim() != 2 or input_ids.dim() != 2 or input_ids.shape[0] != scores.shape[0]:
-            raise ConfigurationError(
-                f"expected input_ids [B, T] and scores [B, V] with the same B, got {tuple(input_ids.shape)} "
-                f"and {tuple(scores.shape)}"
-            )
-        if scores.shape[-1] < self.values.shape[1]:
-            raise FieldError(
-                f"the logits have {scores.shape[-1]} columns but the stage fields are {self.values.shape[1]} wide; "
-                "build them with the tokenizer of the model you generate with"
-            )
-        self._to(scores.device, scores.dtype)
-        length = input_ids.shape[-1]
-        b = input_ids.shape[0]
-        if self._last_len is None or length != self._last_len + 1 or self.stage is None or self.stage.shape[0] != b:
-            if self.trace is not None:
-                self.trace.reset()
-            self._prompt_len = length
-            self.stage = torch.zeros(b, dtype=torch.long, device=scores.device)
-            self._start = torch.zeros(b, dtype=torch.long, device=scores.device)
-            self._seen = torch.zeros(b, self.n_stages, self.n_words, dtype=torch.bool, device=scores.device)
-        else:
-            self._advance(input_ids, length - self._prompt_len)
-        self._last_len = length
-        step = length - self._prompt_len
-        a = self._field(input_ids)
-        if a.shape[1] < scores.shape[1]:
-            a = torch.nn.functional.pad(a, (0, scores.shape[1] - a.shape[1]))
-        a = damp_repeats(a, input_ids, step, self.repeat_weight, a.shape[1])
-        ctx = StepContext(
-            step=step,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=b,
-            device=scores.device,
-            logits=scores,
-            field=a,
-            input_ids=input_ids,
-        )
-        lam = self.controller(ctx)
-        out = apply_gravity(scores, a, lam)
-        if self.trace is not None:
-            self.trace.record(measure(scores, a, lam, pulled=out))
-        return out
+def staged_processor(
+    tokenizer: Any,
+    stages: Sequence[Stage] | Sequence[Mapping[str, Any]],
+    *,
+    base: NarrativeField | None = None,
+    base_weight: float = 1.0,
+    cover_fraction: float = 0.5,
+    **kwargs: Any,
+) -> NarrativeGravityLogitsProcessor:
+    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` that follows ``stages``
+    (:func:`stage_plan`); ``kwargs`` go to the processor (``controller``, ``strength``, ``max_new_tokens``,
+    ``trace``, ``repeat_weight``)."""
+    plan = stage_plan(tokenizer, stages, base=base, base_weight=base_weight, cover_fraction=cover_fraction)
+    return NarrativeGravityLogitsProcessor(stages=plan, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -597,7 +426,7 @@ def plan_table(result: PlanResult, *, width: int = 48) -> Any:
 
 def _writing_controller(schedule: str, strength: float | None) -> StrengthController:
     """The plan's pull: the topic default's thermostat, or a constant λ."""
-    from .control import ThermostatController
+    from .gravity.schedule import ThermostatController
     from .profile import TOPIC_DEFAULTS
 
     if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float)) or strength < 0):
@@ -640,7 +469,7 @@ def plan_then_write(
     repeat_weight: float = 0.0,
     controller: StrengthController | None = None,
 ) -> PlanResult:
-    """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a :class:`StagedLogitsProcessor`.
+    """Draft ``n_drafts`` outlines, keep the best, and write ``prompt`` with a staged processor (:func:`staged_processor`).
 
     The plan reaches the text through the staged field only; ``include_outline=True`` also writes the outline
     into the prompt (with SmolLM2-135M that lowered topic relevance: its outlines are often poor, and in the
@@ -653,7 +482,7 @@ def plan_then_write(
     the prompt's topic.
 
     The pull is the package's topic default (:data:`~narrative_gravity.profile.TOPIC_DEFAULTS`): with
-    ``schedule="thermostat"`` a :class:`~narrative_gravity.control.ThermostatController` with λ_max
+    ``schedule="thermostat"`` a :class:`~narrative_gravity.gravity.schedule.ThermostatController` with λ_max
     ``strength`` (default 4.25) and targets 0.4 / 0.6 / 0.8, and ``repeat_weight=0`` (a stage word's token
     stops pulling once written, so the pull moves on through the stage). ``schedule="constant"`` pulls with
     a constant λ = ``strength`` (default 3). ``controller`` replaces both.
@@ -724,7 +553,7 @@ def plan_then_write(
             glued_weight=opts.glued_weight,
             progress=False,
         )
-    processor = StagedLogitsProcessor.from_stages(
+    processor = staged_processor(
         tokenizer,
         plan,
         base=base,
@@ -782,7 +611,7 @@ def _write_from_openings(
     tokenizer: Any,
     write: str,
     plan: list[Stage],
-    processor: StagedLogitsProcessor,
+    processor: NarrativeGravityLogitsProcessor,
     *,
     target: str,
     openings: int,
@@ -817,7 +646,7 @@ def _write_from_openings(
     rest = plan[stage:]
     total = sum(st.share for st in rest)
     rest = [Stage(st.name, list(st.core_semantics), st.share / total) for st in rest]
-    follow = StagedLogitsProcessor.from_stages(tokenizer, rest, max_new_tokens=left, **stage_kwargs)
+    follow = staged_processor(tokenizer, rest, max_new_tokens=left, **stage_kwargs)
     cont = sample_ids(
         model, tokenizer, [ids + opening], _replace(options, max_new_tokens=left, seed=options.seed + 1), [follow]
     )[0]

@@ -88,7 +88,7 @@ class Phases(_Strict):
 class Thermostat(_Strict):
     """The thermostat schedule: per row and step, the smallest pull that reaches a target narrative mass.
 
-    See :class:`~narrative_gravity.control.ThermostatController` for the rule. The target defaults were chosen
+    See :class:`~narrative_gravity.gravity.schedule.ThermostatController` for the rule. The target defaults were chosen
     on the ``topics-tune`` split of the topic benchmark (docs/benchmarks.md), never on its held-out words.
     """
 
@@ -234,7 +234,7 @@ class Profile(_Strict):
             raise ProfileError(_explain(exc, source)) from None
 
     def controller_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.control.PhaseScheduleController`."""
+        """Keyword arguments for :class:`~narrative_gravity.gravity.schedule.PhaseScheduleController`."""
         return {
             **self.phases.model_dump(),
             "decay_after_steps": self.decay_after_steps,
@@ -242,7 +242,7 @@ class Profile(_Strict):
         }
 
     def thermostat_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.control.ThermostatController`.
+        """Keyword arguments for :class:`~narrative_gravity.gravity.schedule.ThermostatController`.
 
         ``max_strength`` defaults to 4 × ``gravity_strength`` (capped at 50).
         """

@@ -14,13 +14,16 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from .control import ConstantController, PhaseScheduleController, StrengthController, ThermostatController
+from .engines.hf import NarrativeGravityLogitsProcessor
 from .errors import ConfigurationError
 from .fields import NarrativeField
+from .gravity.kernel import Program
+from .gravity.schedule import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
+from .gravity.thermo import Trace
+from .plan import stage_plan
 from .profile import Profile
-from .thermo import Trace
 
-__all__ = ["controller_from_profile", "field_from_profile", "processor_from_profile"]
+__all__ = ["controller_from_profile", "field_from_profile", "processor_from_profile", "program_from_profile"]
 
 # Most recently used last. Entries hold the tokenizer (and a weak reference to the model) they were built for: an ``id`` alone can be
 # reused by a new object once the old one is gone.
@@ -100,17 +103,12 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
     return combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
 
 
-def controller_from_profile(profile: Profile, *, field: NarrativeField | None = None) -> StrengthController:
+def controller_from_profile(profile: Profile) -> ScheduleController:
     """``constant`` gives a :class:`ConstantController`, ``phases`` a :class:`PhaseScheduleController`,
-    ``thermostat`` a :class:`ThermostatController`.
-
-    ``field`` (optional) lets the thermostat read drift through the field's base values; without it the
-    thermostat reads the step's field.
-    """
+    ``thermostat`` a :class:`ThermostatController`. In the kernel the thermostat reads drift through the
+    base values of each row's field (its current stage's, with ``stages``)."""
     if profile.schedule == "thermostat":
-        return ThermostatController(
-            **profile.thermostat_kwargs(), drift_values=field.values if field is not None else None
-        )
+        return ThermostatController(**profile.thermostat_kwargs())
     if profile.schedule == "constant":
         if profile.decay_after_steps is not None:
             return PhaseScheduleController(
@@ -125,6 +123,24 @@ def controller_from_profile(profile: Profile, *, field: NarrativeField | None = 
     return PhaseScheduleController(profile.gravity_strength, **profile.controller_kwargs())
 
 
+def program_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None, key: str = "") -> Program:
+    """The kernel's :class:`~narrative_gravity.gravity.kernel.Program` for a profile: its field (or stages),
+    its schedule, ``repeat_weight`` and ``prune_threshold``. Every engine builds its rows from this."""
+    field = field_from_profile(profile, tokenizer, model=model)
+    controller = controller_from_profile(profile)
+    stages = None
+    if profile.stages:
+        stages = stage_plan(tokenizer, [s.model_dump(exclude_none=True) for s in profile.stages])
+    return Program(
+        field=field,
+        stages=stages,
+        schedule=controller.schedule(len(controller._rows))[0],
+        repeat_weight=profile.field.repeat_weight,
+        prune_threshold=profile.prune_threshold,
+        key=key,
+    )
+
+
 def processor_from_profile(
     profile: Profile,
     tokenizer: Any,
@@ -133,43 +149,25 @@ def processor_from_profile(
     trace: Trace | None = None,
     measure_only: bool = False,
     model: Any = None,
-) -> Any:
-    """A logits processor for ``model.generate``.
+) -> NarrativeGravityLogitsProcessor:
+    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``.
 
-    A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` on the profile's field; for a
-    profile with ``stages``, a :class:`~narrative_gravity.plan.StagedLogitsProcessor` that pulls toward the
-    current stage (it needs ``max_new_tokens``, which the shares divide). ``measure_only`` always measures
-    against the profile's own field. ``model`` is needed only for a semantic field built from the
-    generator's own embeddings.
+    The profile's :func:`program_from_profile`: its field, or its ``stages`` (whose shares divide
+    ``max_new_tokens``). ``measure_only`` always measures against the profile's own field. ``model`` is
+    needed only for a semantic field built from the generator's own embeddings.
     """
-    from .engines.hf import NarrativeGravityLogitsProcessor
-
-    field = field_from_profile(profile, tokenizer, model=model)
-    if profile.stages and not measure_only:
-        from .plan import StagedLogitsProcessor
-
-        if max_new_tokens is None:
-            raise ConfigurationError(
-                "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
-            )
-        if profile.prune_threshold is not None:
-            raise ConfigurationError(
-                "`prune_threshold` is not supported together with `stages`; remove one of them from the profile"
-            )
-        return StagedLogitsProcessor.from_stages(
-            tokenizer,
-            [s.model_dump(exclude_none=True) for s in profile.stages],
-            controller=controller_from_profile(profile),
-            max_new_tokens=max_new_tokens,
-            trace=trace,
-            repeat_weight=profile.field.repeat_weight,
+    program = program_from_profile(profile, tokenizer, model=model)
+    if program.stages is not None and max_new_tokens is None and not measure_only:
+        raise ConfigurationError(
+            "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
         )
     return NarrativeGravityLogitsProcessor(
-        field,
-        controller_from_profile(profile, field=field),
+        program.field,
+        controller_from_profile(profile),
+        stages=None if measure_only else program.stages,
         max_new_tokens=max_new_tokens,
-        prune_threshold=profile.prune_threshold,
+        prune_threshold=program.prune_threshold,
         trace=trace,
         measure_only=measure_only,
-        repeat_weight=profile.field.repeat_weight,
+        repeat_weight=program.repeat_weight,
     )

@@ -1,1 +1,1 @@
-"""Thin engine adapters around :func:`narrative_gravity.core.apply_gravity`."""
+"""Thin engine adapters around :func:`narrative_gravity.gravity.tilt.apply_gravity`."""

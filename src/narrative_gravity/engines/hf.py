@@ -1,5 +1,9 @@
 """Narrative gravity for Hugging Face transformers: a ``LogitsProcessor`` for ``model.generate``.
 
+A thin adapter: the rows of a ``generate`` call become kernel rows
+(:class:`~narrative_gravity.gravity.kernel.GravityKernel`), each step hands the kernel the rows' newest
+tokens and the logits, and the kernel does the math. Every row shares a step here.
+
 >>> import torch
 >>> from narrative_gravity.fields import NarrativeField
 >>> field = NarrativeField(values=torch.tensor([1.0, 0.0, -1.0]))
@@ -12,42 +16,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from ..control import ConstantController, StepContext, StrengthController
-from ..core import apply_gravity, apply_gravity_on_support, check_repeat_weight, damp_repeats, prune_mask
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
-from ..fields import NarrativeField
-from ..thermo import Measurement, Trace, measure, measure_from_probs, measure_on_support
+from ..gravity.field import NarrativeField
+from ..gravity.kernel import GravityKernel, Program
+from ..gravity.schedule import COLUMNS, ConstantController, ScheduleController, StepContext, StrengthController
+from ..gravity.stages import StagePlan
+from ..gravity.thermo import Trace
 
 __all__ = ["NarrativeGravityLogitsProcessor"]
 
 
 class NarrativeGravityLogitsProcessor(LogitsProcessor):
-    """Add ``λ·a`` to the scores of every row, with λ chosen per row and step by a controller.
+    """Add ``λ·a`` to the scores of every row, with λ chosen per row and step by a schedule.
 
     Args:
         field: the :class:`~narrative_gravity.fields.NarrativeField` (built once, applied every step).
-        controller: a strength controller; defaults to :class:`ConstantController` of ``strength``.
+        controller: a schedule (:class:`~narrative_gravity.gravity.schedule.ConstantController`,
+            ``PhaseScheduleController``, ``ThermostatController``) or any callable of a
+            :class:`~narrative_gravity.gravity.schedule.StepContext`; defaults to a constant ``strength``.
         strength: λ (one float, or one per prompt) when no controller is given.
-        max_new_tokens: the token budget, so schedules know where the end is.
+        max_new_tokens: the token budget, so schedules know where the end is (needed with ``stages``).
         prune_threshold: mask tokens whose field value is at or below this (true pruning); ``None`` = off.
-        trace: a :class:`~narrative_gravity.thermo.Trace` to record entropy, mass, KL and λ; ``None`` = off
-            and free.
+        trace: a :class:`~narrative_gravity.gravity.thermo.Trace` to record entropy, mass, KL and λ; ``None``
+            = off and free.
         measure_only: record the trace but return the scores unchanged (the control run).
         nan_check_every: read the NaN flag back every this many steps; defaults to every step on CPU and
             every 16 steps on accelerators, so that no step waits on the device.
         repeat_weight: the share of its pull a narrative token (``a > 0``) keeps once the row has generated
             it (prompt tokens do not count). ``1`` = no change; below 1 the pull moves on to narrative tokens
             not yet written, which spreads the text over its topic instead of repeating one word.
+        stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
+            :func:`narrative_gravity.plan.stage_plan`): each row pulls toward its current stage's field
+            instead of ``field``; :attr:`stage` holds each row's stage after a call.
 
     Scores are returned as a new tensor; the input is never modified.
     """
 
     def __init__(
         self,
-        field: NarrativeField,
+        field: NarrativeField | None = None,
         controller: StrengthController | None = None,
         *,
         strength: float | Sequence[float] | None = None,
@@ -57,11 +68,17 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         measure_only: bool = False,
         nan_check_every: int | None = None,
         repeat_weight: float = 1.0,
+        stages: StagePlan | None = None,
     ) -> None:
-        if not isinstance(field, NarrativeField):
+        if stages is None and not isinstance(field, NarrativeField):
             raise ConfigurationError(
                 f"`field` has to be a NarrativeField, but is {type(field).__name__}; build one with "
                 "narrative_gravity.fields.build_lexical_field(tokenizer, words)"
+            )
+        if stages is not None and not isinstance(stages, StagePlan):
+            raise ConfigurationError(
+                f"`stages` has to be a StagePlan, but is {type(stages).__name__}; build one with "
+                "narrative_gravity.plan.stage_plan(tokenizer, stages)"
             )
         if controller is not None and strength is not None:
             raise ConfigurationError("give either `controller` or `strength`, not both")
@@ -69,12 +86,12 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             controller = ConstantController(1.0 if strength is None else strength)
         if not callable(controller):
             raise ConfigurationError(f"`controller` has to be callable, but is {type(controller).__name__}")
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
+        if max_new_tokens is not None and (
+            isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0
+        ):
             raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
-        if prune_threshold is not None and not -1.0 <= prune_threshold < 1.0:
-            raise ConfigurationError(
-                f"`prune_threshold` has to be in [-1, 1), but is {prune_threshold!r}; field values lie in [-1, 1]"
-            )
+        if stages is not None and max_new_tokens is None:
+            raise ConfigurationError("`stages` divide the token budget by their shares; pass max_new_tokens")
         if nan_check_every is not None and nan_check_every < 1:
             raise ConfigurationError(f"`nan_check_every` has to be >= 1, but is {nan_check_every!r}")
         self.field = field
@@ -84,12 +101,18 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.trace = trace
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
-        self.repeat_weight = check_repeat_weight(repeat_weight)
-        self._fitted: tuple[tuple[int, str, torch.dtype], NarrativeField] | None = None
-        self._support: torch.Tensor | None = None
-        # Without pruning, and with a controller that does not read the field, gravity touches the field's
-        # support only (see NarrativeField.on_support): no [B, V] field is ever built.
-        self._sparse = prune_threshold is None and not getattr(controller, "needs_field", True)
+        self._builtin = isinstance(controller, ScheduleController)
+        schedule = controller.schedule(len(controller._rows))[0] if self._builtin else np.zeros(len(COLUMNS))
+        self.program = Program(
+            field=field,
+            stages=stages,
+            schedule=schedule,
+            repeat_weight=repeat_weight,
+            prune_threshold=prune_threshold,
+        )
+        self.repeat_weight = self.program.repeat_weight
+        self.kernel: GravityKernel | None = None
+        self.last_strength: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -98,19 +121,17 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self._last_len: int | None = None
         self._prompt: torch.Tensor | None = None
         self._first_nan_step: torch.Tensor | None = None
+        if self.kernel is not None:
+            self.kernel.reset()
         if self.trace is not None:
             self.trace.reset()
 
-    def _field_for(self, scores: torch.Tensor) -> NarrativeField:
-        key = (scores.shape[-1], str(scores.device), scores.dtype)
-        if self._fitted is None or self._fitted[0] != key:
-            fitted = self.field.fit_vocab(scores.shape[-1]).to(scores.device, scores.dtype)
-            self._fitted = (key, fitted)
-            # The thermometer measures the pull on the field's support only, unless pruning can reach
-            # tokens outside it (a threshold >= 0 also masks the field's zeros).
-            sparse_ok = self.prune_threshold is None or self.prune_threshold < 0
-            self._support = fitted.support() if sparse_ok else None
-        return self._fitted[1]
+    @property
+    def stage(self) -> torch.Tensor | None:
+        """Each row's current stage (``[B]``) after a call; ``None`` before the first."""
+        if self.kernel is None or self._prompt is None:
+            return None
+        return self.kernel.stage[: self._prompt.shape[0]]
 
     def _continues(self, input_ids: torch.Tensor) -> bool:
         """Whether ``input_ids`` is the previous call's input plus one token (else a new generation starts).
@@ -138,6 +159,11 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 f"input_ids contain token ids {ids[:10]} outside the vocabulary [0, {vocab}); the prompt was "
                 "encoded with a different tokenizer than the model's"
             )
+        b = input_ids.shape[0]
+        if self.kernel is None or self.kernel.capacity < b or self.kernel.device != input_ids.device:
+            self.kernel = GravityKernel(max(b, 1), input_ids.device)
+        schedules = self.controller.schedule(b) if self._builtin else None
+        self.kernel.add_batch(self.program, input_ids, budget=self.max_new_tokens, schedules=schedules)
 
     def _check_nan(self, scores: torch.Tensor, step: int) -> None:
         every = self.nan_check_every or (1 if scores.device.type == "cpu" else 16)
@@ -172,62 +198,32 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 f"and {tuple(scores.shape)}"
             )
         length = input_ids.shape[-1]
-        if not self._continues(input_ids):
+        if self._continues(input_ids):
+            self.kernel.advance(input_ids[:, -1])
+        else:
             self._start(input_ids, scores.shape[-1])
         self._last_len = length
         step = length - self._prompt_len
         self._check_nan(scores, step)
-        field = self._field_for(scores)
-        if self._sparse:
-            return self._step_on_support(field, input_ids, scores, step)
-        a = damp_repeats(field.for_step(input_ids), input_ids, step, self.repeat_weight, scores.shape[-1])
-        ctx = self._context(step, input_ids, scores, a)
-        if self.measure_only:
-            if self.trace is not None:
-                zero = torch.zeros(scores.shape[0], device=scores.device)
-                self.trace.record(measure(scores, a, zero, pulled=scores, support=self._support))
-            return scores
-        lam = self.controller(ctx)
-        out = apply_gravity(scores, a, lam, prune_mask(a, self.prune_threshold))
-        if self.trace is not None:
-            self.trace.record(self._measure(scores, a, lam, out))
-        return out
+        strength = None
+        if not self._builtin:
 
-    def _measure(self, scores: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, out: torch.Tensor) -> Measurement:
-        # A controller that already took this step's softmax (the thermostat) saves the thermometer its pass.
-        prob = getattr(self.controller, "last_problem", None)
-        support = self._support
-        if prob is not None and prob.logits is scores and support is not None and self.prune_threshold is None:
-            a_s = a[support] if a.dim() == 1 else a.gather(1, support[None].expand(a.shape[0], -1))
-            return measure_from_probs(prob.p, prob.entropy, support, a_s, lam)
-        return measure(scores, a, lam, pulled=out, support=support)
+            def strength(dense: torch.Tensor) -> torch.Tensor:
+                ctx = StepContext(
+                    step=step,
+                    max_new_tokens=self.max_new_tokens,
+                    batch_size=scores.shape[0],
+                    device=scores.device,
+                    logits=scores,
+                    field=dense,
+                    input_ids=input_ids,
+                )
+                return self.controller(ctx)
 
-    def _context(
-        self, step: int, input_ids: torch.Tensor, scores: torch.Tensor, field: torch.Tensor | None = None
-    ) -> StepContext:
-        return StepContext(
-            step=step,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=scores.shape[0],
-            device=scores.device,
-            logits=scores,
-            field=field,
-            input_ids=input_ids,
+        out, result = self.kernel.apply(
+            scores, measure_step=self.trace is not None, measure_only=self.measure_only, strength=strength
         )
-
-    def _step_on_support(
-        self, field: NarrativeField, input_ids: torch.Tensor, scores: torch.Tensor, step: int
-    ) -> torch.Tensor:
-        """The fast path (no pruning, a controller that does not read the field): work on the support only."""
-        support, a_s = field.on_support(input_ids)
-        a_s = damp_repeats(a_s, input_ids, step, self.repeat_weight, scores.shape[-1], support)
-        if self.measure_only:
-            if self.trace is not None:
-                zero = torch.zeros(scores.shape[0], device=scores.device)
-                self.trace.record(measure_on_support(scores, support, a_s, zero))
-            return scores
-        lam = self.controller(self._context(step, input_ids, scores))
-        out = apply_gravity_on_support(scores, support, a_s, lam)
+        self.last_strength = result.strength
         if self.trace is not None:
-            self.trace.record(measure_on_support(scores, support, a_s, lam))
+            self.trace.record(result.measurement)
         return out

@@ -405,7 +405,7 @@ class _Runner:
 
     def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
         from ..generation import SamplingOptions, encode_prompts, sample_ids
-        from ..thermo import Trace
+        from ..gravity.thermo import Trace
 
         options = SamplingOptions(
             max_new_tokens=self.s.max_new_tokens, top_k=self.s.top_k, temperature=self.s.temperature, seed=seed
@@ -463,8 +463,8 @@ class _Runner:
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
         from ..engines.hf import NarrativeGravityLogitsProcessor
         from ..fields import NarrativeField
+        from ..gravity.thermo import Trace
         from ..steer import processor_from_profile
-        from ..thermo import Trace
 
         base = self.plan.arms[arm].baseline if arm != CONTROL else None
         if base is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import FieldError, VocabularyError
-from .field import NarrativeField, WordReport
+from ..gravity.field import NarrativeField, WordReport
 
 __all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms"]
 

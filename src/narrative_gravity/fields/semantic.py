@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..errors import FieldError, ModelNotFoundError, VocabularyError
-from .field import NarrativeField, WordReport
+from ..gravity.field import NarrativeField, WordReport
 from .lexical import expand_keywords
 
 __all__ = [

@@ -5,7 +5,7 @@ A batch may mix profiles, token budgets and sampling settings, and still runs as
 - :class:`GroupedGravityLogitsProcessor` groups the rows by (profile, budget) and hands each group's rows to
   that profile's own :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` (so controllers,
   continuations, pruning and traces work exactly as in ``ngrav generate``, and the math stays in
-  :func:`~narrative_gravity.core.apply_gravity`). One loop iteration per *group*, not per row.
+  :func:`~narrative_gravity.gravity.tilt.apply_gravity`). One loop iteration per *group*, not per row.
 - :class:`RowSamplerLogitsProcessor` samples each row with its own temperature, top-k, top-p and seeded
   generator, and leaves a single finite logit, so ``generate`` runs greedily and picks exactly that token. A
   request's sample therefore does not depend on which other requests share its batch.
@@ -35,9 +35,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..errors import ConfigurationError
 from ..generation import eos_token_ids, left_pad
+from ..gravity.thermo import Trace
 from ..profile import Profile
 from ..steer import field_from_profile, processor_from_profile
-from ..thermo import Trace
 from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText
 
 __all__ = [

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import VocabularyError
 
-__all__ = ["NarrativeField", "WordReport"]
+__all__ = ["NO_TOKEN", "NarrativeField", "WordReport", "last_tokens", "match_suffixes"]
 
 
 @dataclass(frozen=True)
@@ -197,9 +197,29 @@ class NarrativeField:
 
     def _matches(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B, E]``: whether each row's last tokens end with each entry's prefix."""
-        lp = self.max_prefix_len
-        tail = input_ids[:, -lp:]
-        if tail.shape[1] < lp:  # shorter history than the longest prefix: pad with an id no prefix uses
-            tail = torch.nn.functional.pad(tail, (lp - tail.shape[1], 0), value=-2)
-        pref = self.prefixes
-        return ((tail[:, None, :] == pref[None]) | (pref[None] < 0)).all(dim=-1)
+        return match_suffixes(input_ids, self.prefixes)
+
+
+NO_TOKEN = -2
+"""The id that fills a row's history where it has no token: no prefix (padded with ``-1``) matches it."""
+
+
+def last_tokens(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The last ``width`` columns of ``ids [B, T]``, left-padded with :data:`NO_TOKEN` when ``T < width``."""
+    tail = ids[:, -width:] if width else ids[:, :0]
+    if tail.shape[1] < width:
+        tail = torch.nn.functional.pad(tail, (width - tail.shape[1], 0), value=NO_TOKEN)
+    return tail
+
+
+def match_suffixes(ids: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
+    """``[B, P]``: whether each row of ``ids [B, T]`` ends with each right-aligned pattern ``[P, L]``.
+
+    Patterns are padded on the left with ``-1``, which matches anything. This is the one place where
+    multi-token words are matched: continuation prefixes, and the words a stage has covered.
+
+    >>> match_suffixes(torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 6, 7], [-1, 5, 7], [-1, -1, 7]])).tolist()
+    [[True, False, True]]
+    """
+    tail = last_tokens(ids, patterns.shape[1])
+    return ((tail[:, None, :] == patterns[None]) | (patterns[None] < 0)).all(dim=-1)

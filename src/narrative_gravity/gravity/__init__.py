@@ -1,0 +1,47 @@
+"""The steering kernel: torch only, no engine, no I/O.
+
+- :mod:`.tilt`: :func:`apply_gravity`, the one place the math lives;
+- :mod:`.field`: :class:`NarrativeField`, how fields combine, and continuation matching;
+- :mod:`.schedule`: constant, phases, decay and the thermostat, per row;
+- :mod:`.stages`: a plan's stages and per-row stage tracking;
+- :mod:`.thermo`: measurement (entropy, narrative mass, KL), which observes and never decides;
+- :mod:`.kernel`: :class:`GravityKernel`, per-row state and one step over a batch.
+
+Engines (``narrative_gravity.engines``) only translate their bookkeeping into kernel rows.
+"""
+
+from .field import NarrativeField, WordReport
+from .kernel import GravityKernel, Program, StepResult
+from .schedule import (
+    ConstantController,
+    PhaseScheduleController,
+    ScheduleController,
+    StepContext,
+    StrengthController,
+    ThermostatController,
+    solve_strength,
+)
+from .stages import StagePlan
+from .thermo import Measurement, Trace, measure
+from .tilt import apply_gravity, prune_mask
+
+__all__ = [
+    "ConstantController",
+    "GravityKernel",
+    "Measurement",
+    "NarrativeField",
+    "PhaseScheduleController",
+    "Program",
+    "ScheduleController",
+    "StagePlan",
+    "StepContext",
+    "StepResult",
+    "StrengthController",
+    "ThermostatController",
+    "Trace",
+    "WordReport",
+    "apply_gravity",
+    "measure",
+    "prune_mask",
+    "solve_strength",
+]

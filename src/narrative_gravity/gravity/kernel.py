@@ -1,0 +1,616 @@
+"""The steering kernel: every engine's rows, their state, and one step of gravity over a batch.
+
+The kernel owns all per-step math and all per-row state, and knows no engine. An engine adapter only
+translates its bookkeeping into kernel rows:
+
+- :meth:`GravityKernel.add` when a sequence joins (its :class:`Program`, budget, prompt and any output so
+  far), :meth:`~GravityKernel.remove` when it leaves, :meth:`~GravityKernel.swap`/:meth:`~GravityKernel.move`
+  when the engine reorders its batch;
+- :meth:`~GravityKernel.advance` with each row's newest token;
+- :meth:`~GravityKernel.apply` with the step's logits.
+
+Rows at different steps, with different budgets and programs (or none), are the normal case: the
+transformers engine is the special case where every row shares a step. Per-row settings live in host
+arrays, copied to the device only when they change; per-row history lives on the device.
+
+>>> import torch
+>>> from narrative_gravity.gravity.field import NarrativeField
+>>> from narrative_gravity.gravity.schedule import ConstantController
+>>> prog = Program(field=NarrativeField(values=torch.tensor([1.0, 0.0, -1.0])),
+...                schedule=ConstantController(2.0).schedule(1)[0])
+>>> k = GravityKernel(capacity=2)
+>>> k.add(1, prog, budget=8, prompt=[0])          # row 0 has no gravity
+>>> k.apply(torch.zeros(2, 3))[0].tolist()
+[[0.0, 0.0, 0.0], [2.0, 0.0, -2.0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError
+from .field import NO_TOKEN, NarrativeField, last_tokens, match_suffixes
+from .schedule import (
+    _COL,
+    COLUMNS,
+    Columns,
+    MassProblem,
+    off_topic_share,
+    probabilities,
+    scheduled_strength,
+    thermostat_target,
+)
+from .stages import StagePlan, advance_stages
+from .thermo import Measurement, measure, measure_from_probs, measure_on_support
+from .tilt import apply_gravity, check_repeat_weight
+
+__all__ = ["GravityKernel", "Program", "StepResult"]
+
+# Above this share of the vocabulary a union of supports is handled as the whole vocabulary.
+_DENSE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything the kernel needs for one profile, built once and shared by every row that uses it.
+
+    Args:
+        field: the narrative field (ignored when ``stages`` is given).
+        stages: a :class:`~narrative_gravity.gravity.stages.StagePlan`: the row pulls toward its current
+            stage's field.
+        schedule: the default schedule row (``[len(COLUMNS)]``, see
+            :meth:`~narrative_gravity.gravity.schedule.ScheduleController.schedule`); a row may bring its own.
+        repeat_weight: the share of its pull a narrative token keeps once the row has generated it.
+        prune_threshold: mask tokens whose field value is at or below this; ``None`` = off.
+        key: identifies equal programs (the kernel shares their tables).
+    """
+
+    field: NarrativeField | None = None
+    schedule: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(COLUMNS)))
+    stages: StagePlan | None = None
+    repeat_weight: float = 1.0
+    prune_threshold: float | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.stages is None and not isinstance(self.field, NarrativeField):
+            raise ConfigurationError(
+                f"a Program needs a NarrativeField or stages, but got field={type(self.field).__name__}"
+            )
+        check_repeat_weight(self.repeat_weight)
+        if self.prune_threshold is not None and not -1.0 <= self.prune_threshold < 1.0:
+            raise ConfigurationError(
+                f"`prune_threshold` has to be in [-1, 1), but is {self.prune_threshold!r}; field values lie in [-1, 1]"
+            )
+        if np.shape(self.schedule) != (len(COLUMNS),):
+            raise ConfigurationError(f"`schedule` has to be one row of {len(COLUMNS)} numbers (schedule.COLUMNS)")
+
+    @property
+    def fields(self) -> tuple[NarrativeField, ...]:
+        return self.stages.fields if self.stages is not None else (self.field,)
+
+    @property
+    def history(self) -> int:
+        """How many of a row's last tokens this program reads (continuations, stage words, drift window)."""
+        width = max((f.max_prefix_len for f in self.fields), default=0)
+        if self.stages is not None and self.stages.words:
+            width = max([width, *(len(f) for ws in self.stages.words for fs in ws for f in fs)])
+        if self.schedule[_COL["thermostat"]]:
+            width = max(width, int(self.schedule[_COL["drift_window"]]))
+        return max(width, 1)
+
+
+@dataclass
+class StepResult:
+    """What :meth:`GravityKernel.apply` did besides the logits: ``strength`` ``[B]`` and, when asked, the
+    step's :class:`~narrative_gravity.gravity.thermo.Measurement`."""
+
+    strength: torch.Tensor
+    measurement: Measurement | None = None
+
+
+@dataclass
+class _Bank:
+    """Every live program's field rows on one union support (rebuilt when the set of programs changes)."""
+
+    support: torch.Tensor  # [S] sorted token ids
+    dense: bool  # the support is the whole vocabulary
+    pos_of: torch.Tensor  # [V] position in the support, -1 outside
+    values: torch.Tensor  # [F + 1, S]; the last row is all zero (rows without gravity)
+    on: torch.Tensor  # [F + 1, S] values > 0
+    share: torch.Tensor  # [F + 1] float64: the field row's share of the budget (1 outside stages)
+    need: torch.Tensor  # [F + 1] words that cover the stage
+    prefixes: torch.Tensor | None  # [E, L] continuation prefixes, right-aligned, -1 padded
+    next_pos: torch.Tensor | None  # [E] position of the continuing piece in the support
+    next_values: torch.Tensor | None  # [E]
+    entry_frow: torch.Tensor | None  # [E] field row of each entry
+    forms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # stage words (patterns, field row, word)
+    n_words: int
+    first: dict[int, int]  # program slot -> its first field row
+    zero_row: int
+
+
+class GravityKernel:
+    """Per-row state and one step of gravity for up to ``capacity`` rows (see the module doc).
+
+    Args:
+        capacity: the most rows at once (vLLM's ``max_num_seqs``; the batch size for transformers).
+        device: where the per-row history and the field tables live (the logits' device).
+        max_idle: programs no row uses are kept for reuse until more than this many pile up.
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", *, max_idle: int = 32) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigurationError(f"`capacity` has to be a positive integer, but is {capacity!r}")
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.max_idle = max_idle
+        # programs: slot -> Program, with reference counts and an LRU of idle slots
+        self._programs: dict[int, Program] = {}
+        self._by_key: dict[str, int] = {}
+        self._refs: dict[int, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._next_slot = 0
+        self._version = 0
+        self._bank: tuple[tuple[int, int, torch.dtype], _Bank] | None = None
+        # per-row settings on the host (copied to the device when they change)
+        n = capacity
+        self.prog = np.full(n, -1, dtype=np.int64)
+        self.budget = np.zeros(n, dtype=np.int64)
+        self.sched = np.zeros((n, len(COLUMNS)), dtype=np.float64)
+        self.repeat = np.ones(n, dtype=np.float32)
+        self.threshold = np.full(n, np.nan, dtype=np.float32)
+        self.last_stage = np.zeros(n, dtype=np.int64)
+        self._dev: dict[str, torch.Tensor] = {}
+        self._dirty = True
+        # per-row history on the device
+        self.width = 1
+        self.recent = torch.full((n, 1), NO_TOKEN, dtype=torch.long, device=self.device)
+        self.step = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.stage = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.start = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.seen = torch.zeros(n, 1, dtype=torch.bool, device=self.device)
+        self.said: torch.Tensor | None = None  # [n, V] bool, made when a program needs it
+        self._vocab: int | None = None
+
+    # -- programs -------------------------------------------------------------------------------------
+
+    def _acquire(self, program: Program) -> int:
+        slot = self._by_key.get(program.key) if program.key else None
+        if slot is None:
+            slot = self._next_slot
+            self._next_slot += 1
+            self._programs[slot] = program
+            self._refs[slot] = 0
+            if program.key:
+                self._by_key[program.key] = slot
+            self._version += 1
+            self._grow_history(program.history)
+            if program.stages is not None:
+                self._grow_words(program.stages.n_words)
+        self._idle.pop(slot, None)
+        self._refs[slot] += 1
+        return slot
+
+    def _release(self, slot: int) -> None:
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0:
+            self._idle[slot] = None
+            while len(self._idle) > self.max_idle:
+                old, _ = self._idle.popitem(last=False)
+                prog = self._programs.pop(old)
+                self._refs.pop(old)
+                if prog.key:
+                    self._by_key.pop(prog.key, None)
+                self._version += 1
+
+    def _grow_history(self, width: int) -> None:
+        if width > self.width:
+            pad = torch.full((self.capacity, width - self.width), NO_TOKEN, dtype=torch.long, device=self.device)
+            self.recent = torch.cat([pad, self.recent], dim=1)
+            self.width = width
+
+    def _grow_words(self, n_words: int) -> None:
+        if n_words > self.seen.shape[1]:
+            extra = torch.zeros(self.capacity, n_words - self.seen.shape[1], dtype=torch.bool, device=self.device)
+            self.seen = torch.cat([self.seen, extra], dim=1)
+
+    # -- rows -----------------------------------------------------------------------------------------
+
+    def add(
+        self,
+        row: int,
+        program: Program | None,
+        *,
+        budget: int | None,
+        prompt: Sequence[int] | torch.Tensor = (),
+        output: Sequence[int] = (),
+        schedule: np.ndarray | None = None,
+    ) -> None:
+        """Start ``row`` on ``program`` (``None``: the row has no gravity and costs nothing but a zero row).
+
+        ``prompt`` and ``output`` are the row's tokens so far: the history reads their tail, and ``output``
+        sets the row's step and what it has already said. ``schedule`` overrides the program's schedule row.
+        """
+        self.remove(row)
+        if program is None:
+            return
+        slot = self._acquire(program)
+        self.prog[row] = slot
+        self.budget[row] = int(budget or 0)
+        self.sched[row] = program.schedule if schedule is None else schedule
+        self.repeat[row] = program.repeat_weight
+        self.threshold[row] = np.nan if program.prune_threshold is None else program.prune_threshold
+        self.last_stage[row] = len(program.fields) - 1
+        self._dirty = True
+        ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)
+        self.recent[row] = last_tokens(ids[None], self.width)[0]
+        self.step[row] = 0
+        self.stage[row] = 0
+        self.start[row] = 0
+        self.seen[row] = False
+        if program.repeat_weight < 1.0:
+            self._said(self._width())
+        if self.said is not None:
+            self.said[row] = False
+        if len(output):  # a request that comes back with output (vLLM preemption): replay it, token by token
+            where = torch.tensor([row], device=self.device)
+            for token in output:
+                self.advance(torch.tensor([int(token)], device=self.device), where)
+
+    def add_batch(
+        self,
+        program: Program,
+        input_ids: torch.Tensor,
+        *,
+        budget: int | None,
+        schedules: np.ndarray | None = None,
+    ) -> None:
+        """Rows ``0..B-1`` start on ``program`` with the prompts ``input_ids [B, T]`` (the transformers case)."""
+        b = input_ids.shape[0]
+        if b > self.capacity:
+            raise ConfigurationError(f"the batch has {b} rows but the kernel holds {self.capacity}")
+        for row in range(b):
+            self.remove(row)
+        slot = self._acquire(program)
+        self._refs[slot] += b - 1
+        self.prog[:b] = slot
+        self.budget[:b] = int(budget or 0)
+        self.sched[:b] = program.schedule if schedules is None else schedules
+        self.repeat[:b] = program.repeat_weight
+        self.threshold[:b] = np.nan if program.prune_threshold is None else program.prune_threshold
+        self.last_stage[:b] = len(program.fields) - 1
+        self._dirty = True
+        self.recent[:b] = last_tokens(input_ids.to(self.device).long(), self.width)
+        self.step[:b] = 0
+        self.stage[:b] = 0
+        self.start[:b] = 0
+        self.seen[:b] = False
+        if self.said is not None:
+            self.said[:b] = False
+
+    def program(self, row: int) -> Program | None:
+        """The program ``row`` runs, or ``None``."""
+        slot = int(self.prog[row])
+        return self._programs.get(slot) if slot >= 0 else None
+
+    def remove(self, row: int) -> None:
+        """``row`` leaves; its program is released."""
+        slot = int(self.prog[row])
+        if slot >= 0:
+            self._release(slot)
+            self.prog[row] = -1
+            self.sched[row] = 0.0
+            self.threshold[row] = np.nan
+            self.repeat[row] = 1.0
+            self.last_stage[row] = 0
+            self._dirty = True
+
+    def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade places (settings and history)."""
+        for arr in (self.prog, self.budget, self.sched, self.repeat, self.threshold, self.last_stage):
+            arr[[a, b]] = arr[[b, a]]
+        idx, rev = torch.tensor([a, b], device=self.device), torch.tensor([b, a], device=self.device)
+        for t in (self.recent, self.step, self.stage, self.start, self.seen, self.said):
+            if t is not None:
+                t[idx] = t[rev]
+        self._dirty = True
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src`` moves to ``dst`` (whatever was at ``dst`` leaves); ``src`` is empty afterwards."""
+        self.remove(dst)
+        self.swap(src, dst)
+
+    def reset(self) -> None:
+        """Every row leaves."""
+        for row in np.flatnonzero(self.prog >= 0):
+            self.remove(int(row))
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _upload(self, bank: _Bank) -> dict[str, torch.Tensor]:
+        """The per-row settings on the device, copied again only after a change (rows or programs)."""
+        if self._dirty or self._dev.get("bank") is not bank.values:
+            lookup = np.full(self._next_slot + 1, bank.zero_row, dtype=np.int64)
+            for slot, first in bank.first.items():
+                lookup[slot] = first
+            first = lookup[np.where(self.prog >= 0, self.prog, self._next_slot)]
+            self._dev = {
+                "bank": bank.values,
+                "first": torch.from_numpy(first).to(self.device, non_blocking=True),
+                "sched": torch.from_numpy(self.sched).to(self.device, non_blocking=True),
+                "budget": torch.from_numpy(self.budget).to(self.device, non_blocking=True),
+                "repeat": torch.from_numpy(self.repeat).to(self.device, non_blocking=True),
+                "threshold": torch.from_numpy(self.threshold).to(self.device, non_blocking=True),
+                "last": torch.from_numpy(self.last_stage).to(self.device, non_blocking=True),
+            }
+            self._dirty = False
+        return self._dev
+
+    def _said(self, vocab: int) -> torch.Tensor:
+        """What each row has said, ``[capacity, vocab]`` bool, made (or widened) on first need."""
+        if self.said is None or self.said.shape[1] != vocab:
+            said = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=self.device)
+            if self.said is not None:
+                keep = min(vocab, self.said.shape[1])
+                said[:, :keep] = self.said[:, :keep]
+            self.said = said
+        return self.said
+
+    def _width(self) -> int:
+        """The vocabulary width: the logits' once seen, else the widest field."""
+        if self._vocab is not None:
+            return self._vocab
+        return max([1, *(f.vocab_size for p in self._programs.values() for f in p.fields)])
+
+    def advance(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, new: torch.Tensor | None = None) -> None:
+        """Each of ``rows`` (default ``0..len(tokens)-1``) generated ``tokens``; with ``new`` (bool, per row)
+        only where it is true. Updates the history, the step, what the row has said, and its stage."""
+        tokens = tokens.to(self.device).long()
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=self.device)
+        recent = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
+        step = self.step[rows] + 1
+        if new is not None:
+            recent = torch.where(new[:, None], recent, self.recent[rows])
+            step = torch.where(new, step, self.step[rows])
+        self.recent[rows] = recent
+        self.step[rows] = step
+        if self.said is not None:
+            ids = tokens.clamp(0, self.said.shape[1] - 1)
+            if new is None:
+                self.said[rows, ids] = True
+            else:
+                self.said[rows, ids] = self.said[rows, ids] | new
+        if self.last_stage.any():
+            dtype = self._bank[0][2] if self._bank is not None else torch.float32
+            bank = self._bank_for(self._width(), dtype)
+            dev = self._upload(bank)
+            stage, start, seen = advance_stages(
+                self.stage[rows],
+                self.start[rows],
+                self.seen[rows],
+                step,
+                dev["budget"][rows],
+                recent,
+                dev["first"][rows],
+                dev["last"][rows],
+                bank.share,
+                bank.need,
+                bank.forms,
+            )
+            if new is not None:
+                stage = torch.where(new, stage, self.stage[rows])
+                start = torch.where(new, start, self.start[rows])
+                seen = torch.where(new[:, None], seen, self.seen[rows])
+            self.stage[rows], self.start[rows], self.seen[rows] = stage, start, seen
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        rows_np: np.ndarray | None = None,
+        *,
+        measure_step: bool = False,
+        measure_only: bool = False,
+        strength: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, StepResult]:
+        """One step of gravity on ``logits [B, V]`` (not modified); returns the new logits and a :class:`StepResult`.
+
+        ``rows`` (device) and ``rows_np`` (the same on the host) map logits rows to kernel rows (default
+        ``0..B-1``). ``measure_step`` also measures entropy, narrative mass and KL; ``measure_only`` measures
+        and leaves the logits as they are. ``strength`` replaces the schedules: a function of the dense
+        ``[B, V]`` field of the step that returns ``[B]`` λ (a controller of the user's own).
+        """
+        b, vocab = logits.shape
+        if rows is None:
+            rows = torch.arange(b, device=self.device)
+            rows_np = np.arange(b)
+        elif rows_np is None:
+            rows_np = rows.cpu().numpy()
+        self._vocab = vocab
+        bank = self._bank_for(vocab, logits.dtype)
+        dev = self._upload(bank)
+        if (self.repeat[rows_np] < 1.0).any():
+            self._said(vocab)
+        frow = dev["first"][rows] + self.stage[rows]
+        support = bank.support
+        a = bank.values[frow]  # [B, S]
+        recent = self.recent[rows]
+        if bank.prefixes is not None:
+            match = match_suffixes(recent, bank.prefixes) & (bank.entry_frow[None] == frow[:, None])  # [B, E]
+            a = a.scatter_add(1, bank.next_pos[None].expand(b, -1), match.to(a.dtype) * bank.next_values[None])
+            a = a.clamp(-1.0, 1.0)
+        repeat = self.repeat[rows_np]
+        if (repeat < 1.0).any():
+            said = self.said[rows[:, None], support[None, :]]
+            a = torch.where(said & (a > 0), a * dev["repeat"][rows][:, None].to(a.dtype), a)
+        sched = self.sched[rows_np]
+        cols = Columns(dev["sched"][rows])
+        step = self.step[rows]
+        budget = dev["budget"][rows]
+        probs = entropy = None
+        if measure_only:
+            lam = torch.zeros(b, dtype=torch.float32, device=logits.device)
+        elif strength is not None:
+            lam = strength(self._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
+        else:
+            lam = scheduled_strength(step, budget, cols).to(torch.float32)
+            thermo = sched[:, _COL["thermostat"]] > 0
+            if thermo.any():
+                probs, entropy = probabilities(logits)
+                k = int(sched[thermo, _COL["candidates"]].max())
+                n_iter = int(sched[thermo, _COL["iterations"]].max())
+                prob = MassProblem(probs, entropy, a, None if bank.dense else support, k, cols.candidates)
+                ids = recent.clamp(0, vocab - 1)
+                pos = bank.pos_of[ids]
+                on = (pos >= 0) & (recent >= 0) & (recent < vocab)
+                on &= bank.on[frow[:, None], pos.clamp_min(0)]
+                off = off_topic_share(recent, on, step, cols)
+                target = thermostat_target(step, budget, cols, entropy, vocab, off)
+                solved = prob.solve(target, cols.base.float(), n_iter, cols.iterations)
+                lam = torch.where(cols.thermostat > 0, solved, lam)
+        mask = None
+        thr = self.threshold[rows_np]
+        if np.isfinite(thr).any():
+            t = dev["threshold"][rows][:, None]
+            on_support = a <= t
+            if bank.dense:
+                mask = on_support
+            else:
+                mask = (t >= 0).expand(b, vocab).clone()
+                mask[:, support] = on_support
+        sparse = None if bank.dense else support
+        out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse)
+        result = StepResult(strength=lam)
+        if measure_step or measure_only:
+            result.measurement = self._measure(logits, out, a, lam, mask, bank, probs, entropy, thr)
+        return out, result
+
+    def _measure(
+        self,
+        logits: torch.Tensor,
+        out: torch.Tensor,
+        a: torch.Tensor,
+        lam: torch.Tensor,
+        mask: torch.Tensor | None,
+        bank: _Bank,
+        probs: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        thr: np.ndarray,
+    ) -> Measurement:
+        if bank.dense:
+            return measure(logits, a, lam, pulled=out)
+        if mask is not None and (thr >= 0).any():  # pruning reaches tokens off the support: measure densely
+            return measure(logits, self._dense(a, bank.support, False, logits.shape[1]), lam, pulled=out)
+        pruned = None
+        if mask is not None:
+            idx = bank.support[None].expand(logits.shape[0], -1)
+            pruned = torch.isneginf(out.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
+        if probs is not None:
+            return measure_from_probs(probs, entropy, bank.support, a, lam, pruned=pruned)
+        return measure_on_support(logits, bank.support, a, lam, pruned=pruned)
+
+    @staticmethod
+    def _dense(a: torch.Tensor, support: torch.Tensor, dense: bool, vocab: int) -> torch.Tensor:
+        if dense:
+            return a
+        return torch.zeros(a.shape[0], vocab, dtype=a.dtype, device=a.device).index_copy_(1, support, a)
+
+    def fields(self, rows: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
+        """The dense ``[B, V]`` field each row is pulled toward now (its stage, continuations included;
+        before ``repeat_weight``). For inspection and tests."""
+        vocab = vocab or self._vocab
+        if vocab is None:
+            raise ConfigurationError("the kernel has not seen logits yet; call apply() first or pass vocab=")
+        bank = self._bank_for(vocab, self._bank[0][2] if self._bank else torch.float32)
+        if rows is None:
+            rows = torch.arange(self.capacity, device=self.device)
+        frow = self._upload(bank)["first"][rows] + self.stage[rows]
+        a = bank.values[frow]
+        if bank.prefixes is not None:
+            match = match_suffixes(self.recent[rows], bank.prefixes) & (bank.entry_frow[None] == frow[:, None])
+            a = a.scatter_add(1, bank.next_pos[None].expand(len(rows), -1), match.to(a.dtype) * bank.next_values[None])
+            a = a.clamp(-1.0, 1.0)
+        return self._dense(a, bank.support, bank.dense, vocab)
+
+    # -- the field bank -------------------------------------------------------------------------------
+
+    def _bank_for(self, vocab: int, dtype: torch.dtype) -> _Bank:
+        key = (self._version, vocab, dtype)
+        if self._bank is None or self._bank[0] != key:
+            self._bank = (key, self._build_bank(vocab, dtype))
+        return self._bank[1]
+
+    def _build_bank(self, vocab: int, dtype: torch.dtype) -> _Bank:
+        dev = self.device
+        first: dict[int, int] = {}
+        frows: list[NarrativeField] = []
+        shares: list[float] = []
+        needs: list[int] = []
+        forms: list[tuple[int, int, tuple[int, ...]]] = []
+        for slot, prog in self._programs.items():
+            first[slot] = len(frows)
+            fitted = [f.fit_vocab(vocab).to(dev, dtype) for f in prog.fields]
+            if prog.stages is not None:
+                shares += list(prog.stages.shares)
+                needs += prog.stages.need
+                forms += [(first[slot] + s, j, form) for s, j, form in prog.stages.forms(vocab)]
+            else:
+                shares.append(1.0)
+                needs.append(10**9)
+            frows += fitted
+        zero = len(frows)
+        parts = [f.support() for f in frows]
+        support = torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.long, device=dev)
+        dense = support.numel() > _DENSE_SHARE * vocab
+        if dense:
+            support = torch.arange(vocab, device=dev)
+        pos_of = torch.full((vocab,), -1, dtype=torch.long, device=dev)
+        pos_of[support] = torch.arange(support.numel(), device=dev)
+        values = torch.zeros(zero + 1, support.numel(), dtype=dtype, device=dev)
+        for i, f in enumerate(frows):
+            values[i] = f.values[support]
+        tables = [(i, f) for i, f in enumerate(frows) if f.has_continuations]
+        prefixes = next_pos = next_values = entry_frow = None
+        if tables:
+            width = max(f.max_prefix_len for _, f in tables)
+            prefixes = torch.cat(
+                [torch.nn.functional.pad(f.prefixes, (width - f.max_prefix_len, 0), value=-1) for _, f in tables]
+            )
+            next_pos = torch.cat([pos_of[f.next_ids] for _, f in tables])
+            next_values = torch.cat([f.next_values for _, f in tables]).to(dtype)
+            entry_frow = torch.cat([torch.full((f.next_ids.shape[0],), i, device=dev) for i, f in tables])
+        form_tables = None
+        n_words = max([1, *(p.stages.n_words for p in self._programs.values() if p.stages is not None)])
+        if forms:
+            lf = max(len(f) for *_, f in forms)
+            patterns = torch.tensor([[-1] * (lf - len(f)) + list(f) for *_, f in forms], dtype=torch.long, device=dev)
+            form_tables = (
+                patterns,
+                torch.tensor([s for s, _, _ in forms], dtype=torch.long, device=dev),
+                torch.tensor([j for _, j, _ in forms], dtype=torch.long, device=dev),
+            )
+        return _Bank(
+            support=support,
+            dense=dense,
+            pos_of=pos_of,
+            values=values,
+            on=values > 0,
+            share=torch.tensor([*shares, 1.0], dtype=torch.float64, device=dev),
+            need=torch.tensor([*needs, 10**9], dtype=torch.long, device=dev),
+            prefixes=prefixes,
+            next_pos=next_pos,
+            next_values=next_values,
+            entry_frow=entry_frow,
+            forms=form_tables,
+            n_words=n_words,
+            first=first,
+            zero_row=zero,
+        )
