@@ -3,7 +3,9 @@
 Each client sends a streaming chat (or completions) request with gravity, reads the server-sent events to the end,
 and starts the next request, until the time is up. All clients start at once, or spread evenly over ``--ramp``
 seconds (as load tools ramp up users): a burst of simultaneous first requests measures how fast the engine prefills
-them all, a ramp measures requests arriving while others decode. Requests still running then get ``--grace`` seconds to finish and
+them all, a ramp measures requests arriving while others decode. ``--warmup`` requests (one by default) go first,
+one at a time and unmeasured, so one-time costs (building a profile's field, loading an encoder) stay out of the
+figures. Requests still running then get ``--grace`` seconds to finish and
 are cancelled after that, so a run always ends. Reports requests, failures, p50/p95 latency, time to first token,
 tokens/s, the server's batching from /metrics (generate calls and rows per call on the transformers engine, engine
 steps and rows per step on vLLM), and the machine's load average before and after (other work on a shared machine
@@ -212,6 +214,11 @@ async def run(args: argparse.Namespace) -> Report:
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=args.request_timeout, limits=limits, trust_env=False
     ) as client:
+        for i in range(args.warmup):
+            path, body = request_body(args, i)
+            warm = await one_request(client, path, body, args.request_timeout)
+            if not warm.ok:
+                raise SystemExit(f"warm-up request {i} failed ({warm.error}); is the server healthy?")
         load_before = [round(x, 2) for x in os.getloadavg()]
         scraped0 = await scrape(client)
         results: list[Result] = []
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--duration", type=float, default=5.0, help="seconds to keep sending requests")
     p.add_argument("--ramp", type=float, default=0.0, help="start the clients evenly over this many seconds")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent one by one before the run")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds before one request counts as failed")
     p.add_argument("--model", default="smollm2", help="the `model` field sent (the server's model id)")
