@@ -71,10 +71,11 @@ def check_profile(profile: Profile, config: ServerConfig, *, param: str = "gravi
             param=param,
             code="profile_limit_exceeded",
         )
-    checks = (
-        (f"{param}.field.semantic_top_k", profile.field.semantic_top_k),
-        (f"{param}.thermostat.candidates", profile.thermostat.candidates),
-    )
+    checks = []  # only the settings the profile's field and schedule use
+    if profile.field.mode != "lexical":
+        checks.append((f"{param}.field.semantic_top_k", profile.field.semantic_top_k))
+    if profile.schedule == "thermostat":
+        checks.append((f"{param}.thermostat.candidates", profile.thermostat.candidates))
     for where, value in checks:
         if value > config.max_semantic_top_k:
             raise APIError(
