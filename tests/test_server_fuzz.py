@@ -30,7 +30,9 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 COUNTS: Counter[str] = Counter()
 
 text = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(["planet", "orbit", "", " ", "a_b"])
-scalar = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | text
+scalar = (
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | text
+)
 anything = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3))
 small_int = st.integers(-3, 70)
 words = st.lists(st.sampled_from(["planet", "orbit", "star", "binary_search", "x", "ünï", "🚀"]) | text, max_size=4)
