@@ -23,6 +23,8 @@ from typing import Annotated, Any
 
 import typer
 
+from .cli_common import fail as _fail
+from .cli_common import set_debug
 from .cli_profile import profile_app
 from .errors import NarrativeGravityError
 
@@ -34,15 +36,12 @@ app = typer.Typer(
 )
 app.add_typer(profile_app, name="profile")
 
-_DEBUG = False
-
 
 @app.callback()
 def _main(
     debug: Annotated[bool, typer.Option("--debug", help="print the traceback of an error, too")] = False,
 ) -> None:
-    global _DEBUG
-    _DEBUG = debug
+    set_debug(debug)
 
 
 def _finite(value: float | None) -> float | None:
@@ -59,19 +58,6 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token b
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
 TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=_finite, help="0 = greedy decoding")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
-
-
-def _fail(message: str) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    console = Console(stderr=True, soft_wrap=True)
-    if _DEBUG and sys.exc_info()[0] is not None:
-        import traceback
-
-        traceback.print_exc()
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(2)
 
 
 def _read_text(path: Path, flag: str) -> str:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from .cli_common import fail as _fail
+
 if TYPE_CHECKING:
     from .store import ProfileStore
 
@@ -55,12 +57,6 @@ def _options(
     ] = None,
 ) -> None:
     ctx.ensure_object(dict)["store"] = store
-
-
-def _fail(message: str) -> None:
-    from .cli import _fail as fail  # imported here: cli.py imports this module
-
-    fail(message)
 
 
 def _guard(fn: Any) -> Any:

@@ -852,7 +852,7 @@ def serve(
         ) from None
 
     from ..fields.semantic import set_field_cache_limit
-    from .backend import make_backend
+    from .factory import make_backend
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not config.is_loopback and config.api_key is None:  # ServerConfig allowed it: --insecure-no-auth
