@@ -216,19 +216,18 @@ def direct(
 def breakdown(
     tok: Any, profile: Any, batch: int, output_ids: torch.Tensor, prompt_len: int, new_tokens: int, calls: int
 ) -> dict[str, float]:
-    """Median seconds of each part of our processor's call (same ops, same order, as engines/hf.py)."""
-    from narrative_gravity.gravity.schedule import StepContext
-    from narrative_gravity.gravity.thermo import measure_on_support
-    from narrative_gravity.gravity.tilt import apply_gravity_on_support
+    """Median seconds of each part of our processor's call (the same calls, in the same order, as engines/hf.py):
+    the NaN check, the kernel's ``advance`` (history, said-set, stages) and its ``apply`` (field, schedule,
+    tilt), and ``apply`` with the thermometer on."""
     from narrative_gravity.steer import processor_from_profile
 
     proc = processor_from_profile(profile, tok, max_new_tokens=new_tokens)
     vocab = len(tok)
     torch.manual_seed(0)
     scores = torch.randn(batch, vocab) * 3
-    field = proc._field_for(scores)
-    steps = [output_ids[:, : prompt_len + s].contiguous() for s in range(new_tokens)]
-    names = ("nan check", "field.on_support", "controller", "apply_gravity_on_support", "measure_on_support")
+    proc(output_ids[:, :prompt_len].contiguous(), scores)  # the kernel's rows start on the prompts
+    kernel = proc.kernel
+    names = ("nan check", "kernel.advance", "kernel.apply", "kernel.apply + thermometer")
     parts: dict[str, list[float]] = {k: [] for k in names}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
@@ -237,25 +236,13 @@ def breakdown(
         parts[name].append(time.perf_counter() - t0)
         return r
 
-    # The parts of the processor's fast path (no pruning, a controller that does not read the field).
-    if not proc._sparse:  # e.g. the thermostat, which reads the dense field: its call is timed whole in (b)
-        return {}
     with torch.no_grad():
         for c in range(calls + 16):
-            ids = steps[c % new_tokens]
-            step = c % new_tokens
+            token = output_ids[:, prompt_len + c % new_tokens]
             timed("nan check", lambda: bool(torch.isnan(scores.sum(dim=-1)).any()))
-            support, a_s = timed("field.on_support", lambda ids=ids: field.on_support(ids))
-            ctx = StepContext(step=step, max_new_tokens=new_tokens, batch_size=batch, logits=scores)
-            lam = timed("controller", lambda ctx=ctx: proc.controller(ctx))
-            timed(
-                "apply_gravity_on_support",
-                lambda a_s=a_s, lam=lam, support=support: apply_gravity_on_support(scores, support, a_s, lam),
-            )
-            timed(
-                "measure_on_support",
-                lambda a_s=a_s, lam=lam, support=support: measure_on_support(scores, support, a_s, lam),
-            )
+            timed("kernel.advance", lambda token=token: kernel.advance(token))
+            timed("kernel.apply", lambda: kernel.apply(scores))
+            timed("kernel.apply + thermometer", lambda: kernel.apply(scores, measure_step=True))
     return {k: median(v[16:]) for k, v in parts.items()}
 
 

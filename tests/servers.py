@@ -1,4 +1,5 @@
-"""A real uvicorn server on a loopback port, for the server tests (transformers and vLLM engines)."""
+"""A real uvicorn server on a loopback port, for the server tests (transformers and vLLM engines), run with the
+same uvicorn settings (timeouts included) as ``ngrav serve``."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ import uvicorn
 class RunningServer:
     """uvicorn in a background thread on a free loopback port."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, config: Any = None) -> None:
+        from narrative_gravity.server import ServerConfig
+        from narrative_gravity.server.app import uvicorn_config
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn_config(app, config if config is not None else ServerConfig(), log_level="warning", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

@@ -72,3 +72,144 @@ def test_negative_max_new_tokens_is_rejected(tmp_path):
     )
     assert res.exit_code == 2
     assert "max-new-tokens" in res.output
+
+
+# --------------------------------------------------------------------------------------------------
+# every user mistake: one line naming the problem, exit code 2, no traceback, before a model loads
+
+
+def _one_line_error(res, *needles):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and (res.exception is None or isinstance(res.exception, SystemExit))
+    assert res.output.strip().startswith("error:") or "Error" in res.output, res.output
+    for needle in needles:
+        assert needle in res.output, (needle, res.output)
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    p = tmp_path / "p.txt"
+    p.write_text("hello\n")
+    return p
+
+
+def test_prompts_that_are_not_utf8_or_a_folder(tmp_path, prompts):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    chunks = tmp_path / "c.jsonl"
+    chunks.write_bytes(b'{"text": "caf\xe9"}\n')
+    out = str(tmp_path / "o.jsonl")
+    for path, needle in ((latin, "not UTF-8"), (tmp_path, "is a folder")):
+        _one_line_error(
+            runner.invoke(app, ["generate", "--prompts", str(path), "--no-gravity", "--output", out]), needle
+        )
+        _one_line_error(
+            runner.invoke(app, ["eval", "--prompts", str(path), "--profile", "auto", "--out", str(tmp_path / "r")]),
+            needle,
+        )
+    _one_line_error(
+        runner.invoke(app, ["prune-context", "--question", "q", "--chunks", str(chunks), "--count", "words"]),
+        "not UTF-8",
+    )
+
+
+def test_missing_model_path_and_fake_gguf(tmp_path, prompts):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    out = str(tmp_path / "o.jsonl")
+    for model, needle in ((str(tmp_path / "missing"), "neither a known name"), (str(fake), "not a GGUF file")):
+        _one_line_error(
+            runner.invoke(
+                app, ["generate", "--prompts", str(prompts), "--no-gravity", "--output", out, "--model", model]
+            ),
+            needle,
+        )
+        _one_line_error(runner.invoke(app, ["serve", "--model", model, "--store", str(tmp_path / "s")]), needle)
+        _one_line_error(runner.invoke(app, ["chat", "--model", model], input="hi\n"), needle)
+
+
+def test_output_paths_are_checked_before_generating(tmp_path, prompts):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for output, needle in ((a_file / "o.jsonl", "is a file, not a folder"), (tmp_path, "is a folder")):
+        res = runner.invoke(
+            app, ["generate", "--prompts", str(prompts), "--no-gravity", "--output", str(output), "--model", "/nope"]
+        )
+        _one_line_error(res, needle, str(output))  # reported before the (missing) model is even looked at
+    res = runner.invoke(app, ["eval", "--prompts", str(prompts), "--profile", "auto", "--out", str(a_file)])
+    _one_line_error(res, "--out", "is a file")
+
+
+def test_debug_shows_the_traceback(tmp_path, prompts):
+    args = ["generate", "--prompts", str(prompts), "--no-gravity", "--output", str(tmp_path / "o"), "--model", "/x"]
+    assert "Traceback" not in runner.invoke(app, args).output
+    res = runner.invoke(app, ["--debug", *args])
+    assert res.exit_code == 2 and "Traceback" in res.output and "ModelNotFoundError" in res.output
+
+
+def test_temperature_must_be_finite(prompts):
+    for value in ("inf", "nan"):
+        res = runner.invoke(
+            app,
+            ["generate", "--prompts", str(prompts), "--no-gravity", "--output", "o", "--temperature", value],
+            env={"COLUMNS": "300"},
+        )
+        assert res.exit_code == 2 and "--temperature" in res.output, res.output
+        assert value == "nan" or "finite" in res.output, res.output
+
+
+def test_profile_with_unencodable_words(tmp_path, prompts):
+    prof = tmp_path / "p.json"
+    prof.write_text('{"core_semantics": ["\\ud800"]}')
+    res = runner.invoke(app, ["generate", "--prompts", str(prompts), "--profile", str(prof), "--output", "o"])
+    _one_line_error(res, "core_semantics.0", "cannot be encoded")
+
+
+# --------------------------------------------------------------------------------------------------
+# with the tiny model saved as a local folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_model, tmp_path_factory):
+    model, tokenizer = tiny_model
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_chat_skips_input_that_is_not_utf8(tiny_folder):
+    res = runner.invoke(
+        app, ["chat", "--model", str(tiny_folder), "--max-new-tokens", "3"], input=b"caf\xe9\nThe planet\n\n"
+    )
+    assert res.exit_code == 0, res.output
+    assert "line 1 is not UTF-8" in res.output and res.output.count("assistant:") == 1
+    assert "Traceback" not in res.output
+
+
+def test_generate_writes_each_batch_as_it_finishes(tiny_folder, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"The planet {i}\n" for i in range(400)))
+    out = tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "narrative_gravity.cli", "generate", "--prompts", str(prompts), "--no-gravity"]
+    cmd += ["--output", str(out), "--model", str(tiny_folder), "--batch-size", "1", "--max-new-tokens", "4", "--raw"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 120
+        while (not out.exists() or out.read_text().count("\n") < 2) and time.monotonic() < deadline:
+            assert proc.poll() is None, "generate ended early"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    lines = out.read_text().splitlines()
+    assert 2 <= len(lines) < 400  # interrupted, and what was finished is kept
+    rows = [json.loads(line) for line in lines]
+    assert [r["prompt"] for r in rows] == [f"The planet {i}" for i in range(len(rows))]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from narrative_gravity.eval import ResultStore, export_markdown, write_reports
-from narrative_gravity.eval.runner import RUN_FILE
+from narrative_gravity.eval.store import RUN_FILE
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -475,3 +475,24 @@ def test_cli_help_lists_profile_and_ends_with_examples():
     for cmd in ("list", "show", "set", "history", "diff", "rollback", "--store"):
         assert cmd in res.output
     assert "ngrav profile rollback space --to 1" in res.output
+
+
+def test_a_damaged_head_is_flagged_and_the_others_are_listed(tmp_path):
+    """One damaged head snapshot made `profile list` fail for every profile."""
+    from typer.testing import CliRunner
+
+    from narrative_gravity.cli import app
+    from narrative_gravity.store import StoreDamagedError
+
+    store = ProfileStore(tmp_path)
+    store.set("fine", {"core_semantics": ["orbit"]})
+    store.set("broken", {"core_semantics": ["orbit"]})
+    (tmp_path / "broken" / "000001.json").write_text("[1, 2", encoding="utf-8")
+    infos = {i.name: i for i in store.list()}
+    assert infos["fine"].error is None and infos["fine"].version == 1
+    assert "damaged" in infos["broken"].error
+    with pytest.raises(StoreDamagedError):
+        store.get("broken")
+    res = CliRunner().invoke(app, ["profile", "--store", str(tmp_path), "list"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "fine" in res.output and "damaged: broken" in res.output

@@ -38,7 +38,7 @@ from narrative_gravity.engines.vllm import (
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.profile import Profile
+from narrative_gravity.profile import TOPIC_DEFAULTS, Profile
 from narrative_gravity.steer import field_from_profile, processor_from_profile
 
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
@@ -314,11 +314,42 @@ def test_entry_point_is_registered() -> None:
 # --------------------------------------------------------------------------------------------------
 # A real engine: SmolLM2-135M on vLLM's CPU backend, greedy.
 
-PROMPTS = ["The planet", "Write a function", "Tell me a story about", "My favourite food is"]
+PROMPTS = [
+    "The planet",
+    "Write a function",
+    "Tell me a story about",
+    "My favourite food is",
+    "The harbour at dawn",
+    "Explain how to bake bread.",
+    "Our trip to the mountains",
+    "A letter to my neighbour",
+]
 STRONG = {"core_semantics": ["ocean", "wave"], "gravity_strength": 6.0, "schedule": "constant"}
 SEARCH = {"core_semantics": ["binary_search", "array"], "gravity_strength": 2.0}
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 1.5, "penalize": ["the"]}
-PROFILES = [STRONG, SEARCH, SPACE, None]
+TOPIC = {"core_semantics": ["ship", "sail", "sea", "storm"], **TOPIC_DEFAULTS}  # the topic default
+STAGED = {
+    "core_semantics": ["bread"],
+    "gravity_strength": 3.0,
+    "schedule": "thermostat",
+    "field": {"repeat_weight": 0.0},
+    "stages": [{"core_semantics": ["flour", "water"], "share": 0.4}, {"core_semantics": ["oven", "bake"]}],
+}
+PRUNED = {
+    "core_semantics": ["snow", "peak"],
+    "penalize": ["the", "a"],
+    "gravity_strength": 5.0,
+    "schedule": "constant",
+    "prune_threshold": -0.5,
+}
+LM = {
+    "core_semantics": ["garden", "flowers"],
+    "field": {"mode": "semantic", "semantic_source": "lm"},
+    "schedule": "thermostat",
+    "thermostat": {"max_strength": 6.0, "explore_target": 0.5, "converge_target": 0.7, "strict_target": 0.8},
+}
+PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM]
+BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10]  # rows finish at different steps, so later rows join mid-way
 NEW_TOKENS = 12
 
 
@@ -332,7 +363,7 @@ def _engine(**kwargs: Any) -> Any:
         model=str(folder),
         dtype="float32",
         max_model_len=128,
-        max_num_seqs=8,
+        max_num_seqs=4,  # 8 requests: the last four join as the first ones finish
         kv_cache_memory_bytes=64 * 2**20,
         enforce_eager=True,
         seed=0,
@@ -340,8 +371,8 @@ def _engine(**kwargs: Any) -> Any:
     )
 
 
-def _greedy(profile: dict[str, Any] | None) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, extra_args=profile and {"gravity": profile})
+def _greedy(profile: dict[str, Any] | None, max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=profile and {"gravity": profile})
 
 
 def _ids(outputs: list[Any]) -> list[list[int]]:
@@ -350,7 +381,8 @@ def _ids(outputs: list[Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(monkeypatch_module: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Plain vLLM (entry point switched off), then an engine with the processor: mixed batch and each row alone."""
+    """Plain vLLM (entry point switched off), then an engine with the processor: a mixed batch, recorded
+    step by step, and each row alone."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm.v1.sample.logits_processor as lp
 
@@ -358,14 +390,32 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> dict[str, Any]:
         m.setattr(lp, "_load_logitsprocs_plugins", list)
         lp.cached_load_custom_logitsprocs.cache_clear()
         plain_llm = _engine()
-        plain = _ids(plain_llm.generate(PROMPTS, _greedy(None), use_tqdm=False))
+        plain = _ids(plain_llm.generate(PROMPTS, [_greedy(None, n) for n in BUDGETS], use_tqdm=False))
         del plain_llm
         gc.collect()
     lp.cached_load_custom_logitsprocs.cache_clear()
     llm = _engine(logits_processors=[FQCN])  # the entry point loads it too: the second copy must stay inert
-    mixed = _ids(llm.generate(PROMPTS, [_greedy(p) for p in PROFILES], use_tqdm=False))
-    alone = [_ids(llm.generate([t], [_greedy(p)], use_tqdm=False))[0] for t, p in zip(PROMPTS, PROFILES)]
-    return {"llm": llm, "plain": plain, "mixed": mixed, "alone": alone}
+    steps: dict[int, tuple[list[int], list[tuple[int, torch.Tensor, float]]]] = {}
+
+    def record(proc: Any, logits: torch.Tensor, pulled: torch.Tensor, result: Any) -> None:
+        for i in np.flatnonzero(proc.kernel.prog[: logits.shape[0]] >= 0):
+            out = proc._outputs[i]
+            steps.setdefault(id(out), (out, []))[1].append((len(out), logits[i].clone(), float(result.strength[i])))
+
+    NarrativeGravityVLLMLogitsProcessor.on_step = record
+    try:
+        params = [_greedy(p, n) for p, n in zip(PROFILES, BUDGETS)]
+        mixed_out = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        NarrativeGravityVLLMLogitsProcessor.on_step = None
+    mixed = _ids(mixed_out)
+    alone = [_ids(llm.generate([t], [_greedy(p, n)], use_tqdm=False))[0] for t, p, n in zip(PROMPTS, PROFILES, BUDGETS)]
+    recorded = {}
+    for out, rec in steps.values():  # the live output lists hold each request's whole output by now
+        row = mixed.index(list(out))
+        recorded[row] = sorted(rec, key=lambda r: r[0])
+    prompts = [list(o.prompt_token_ids) for o in mixed_out]
+    return {"llm": llm, "plain": plain, "mixed": mixed, "alone": alone, "recorded": recorded, "prompts": prompts}
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +431,33 @@ def test_mixed_batch_rows_match_their_solo_runs(runs: dict[str, Any]) -> None:
     for i, (mixed, alone) in enumerate(zip(runs["mixed"], runs["alone"])):
         assert mixed == alone, f"row {i} ({PROFILES[i]}) changed when batched with other profiles"
     assert runs["mixed"][3] == runs["plain"][3], "the row without gravity must equal plain vLLM"
-    assert runs["mixed"][0] != runs["plain"][0], "a strength-6 profile must change its row"
+    for i in (0, 4, 5, 6, 7):
+        assert runs["mixed"][i] != runs["plain"][i], f"row {i} ({PROFILES[i]}) must change its row"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_and_transformers_adapters_give_the_same_pull(runs: dict[str, Any]) -> None:
+    """The kernel through the vLLM adapter and through the transformers adapter: the same λ at every step,
+    and the same greedy token, for every profile kind. The comparison replays vLLM's own recorded logits
+    through the transformers adapter: vLLM's CPU kernels and transformers' differ in the last bits of the
+    logits, so comparing two independent greedy runs would test their numerics, not ours."""
+    from narrative_gravity.models import load_model
+
+    model, tok = load_model()
+    assert sorted(runs["recorded"]) == [i for i, p in enumerate(PROFILES) if p is not None]
+    for row, rec in runs["recorded"].items():
+        out = runs["mixed"][row]
+        assert [r[0] for r in rec] == list(range(len(out))), f"row {row}: one record per generated token"
+        proc = processor_from_profile(
+            Profile.from_mapping(PROFILES[row]), tok, max_new_tokens=BUDGETS[row], model=model
+        )
+        ids = list(runs["prompts"][row])
+        for step, logits, lam in rec:
+            pulled = proc(torch.tensor([ids]), logits[None])
+            assert float(proc.last_strength[0]) == pytest.approx(lam, rel=1e-4, abs=1e-4), (row, step)
+            assert int(pulled.argmax()) == out[step], (row, step)
+            ids.append(out[step])
 
 
 @pytest.mark.slow
@@ -408,7 +484,8 @@ def test_bad_profile_is_rejected_and_others_run_on(runs: dict[str, Any]) -> None
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
-    assert done == {"good-0": runs["alone"][0], "good-2": runs["alone"][2]}
+    assert done["good-0"][:NEW_TOKENS] == runs["alone"][0][:NEW_TOKENS]
+    assert done["good-2"] == runs["alone"][2]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -448,12 +525,13 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
 
         # four concurrent streams with three profiles and none: each equals its row run alone on the engine
         texts = asyncio.run(all_rows())
-        assert texts == [tok.decode(ids, skip_special_tokens=True) for ids in runs["alone"]]
+        want = [tok.decode(ids, skip_special_tokens=True) for ids in runs["alone"][:4]]
+        assert [texts[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]  # the rows of the same budget
         with running.client() as client:
-            with pytest.raises(openai.BadRequestError, match="thermostat"):
-                client.completions.create(
-                    prompt="x", extra_body={"gravity": {**SPACE, "schedule": "thermostat"}}, **greedy
-                )
+            with pytest.raises(openai.BadRequestError, match="gravity_strenght"):
+                client.completions.create(prompt="x", extra_body={"gravity": {"gravity_strenght": 2}}, **greedy)
+            topic = client.completions.create(prompt=PROMPTS[4], extra_body={"gravity": TOPIC}, **greedy)
+            assert topic.choices[0].text  # the topic default runs on this engine too
             again = client.completions.create(prompt=PROMPTS[0], extra_body={"gravity": STRONG}, **greedy)
             assert again.choices[0].text == texts[0]
             assert again.model_extra["gravity"]["profile"] == "inline"

@@ -6,17 +6,25 @@ Examples::
         --prompt "Write a binary search in Java and explain its time complexity." --seeds 5
     ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
     ngrav inspect --profile profiles/binary_search.json
+
+Every user mistake (a missing or unreadable file, an output path that cannot be written, a model that is not
+there) ends in one line naming the problem and the fix, with exit code 2, before any model is loaded.
+``ngrav --debug COMMAND`` prints the traceback as well.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from .cli_common import fail as _fail
+from .cli_common import set_debug
 from .cli_profile import profile_app
 from .errors import NarrativeGravityError
 
@@ -28,28 +36,105 @@ app = typer.Typer(
 )
 app.add_typer(profile_app, name="profile")
 
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="print the traceback of an error, too")] = False,
+) -> None:
+    set_debug(debug)
+
+
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number; give e.g. 0.7 (0 = greedy)")
+    return value
+
+
 ModelOpt = Annotated[
     str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a HF folder or a .gguf file")
 ]
 RawOpt = Annotated[bool, typer.Option("--raw", help="plain continuation, no chat template")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
-TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy decoding")]
+TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=_finite, help="0 = greedy decoding")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
 
 
-def _fail(message: str) -> None:
-    from rich.console import Console
-    from rich.markup import escape
+def _read_text(path: Path, flag: str) -> str:
+    """The UTF-8 text of an input file, or one error line naming ``flag``, the path and the fix."""
+    if not path.exists():
+        _fail(f"{flag} {str(path)!r} does not exist; check the path")
+    if path.is_dir():
+        _fail(f"{flag} {str(path)!r} is a folder; give a file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        _fail(f"{flag} {str(path)!r} cannot be read: {exc.strerror or exc}; check its permissions")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        _fail(
+            f"{flag} {str(path)!r} is not UTF-8 text (byte {exc.start}, line {line}); save it as UTF-8, e.g. "
+            f"iconv -f latin1 -t utf-8 {path} > fixed.txt"
+        )
+    raise AssertionError("unreachable")  # pragma: no cover
 
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(2)
+
+def _check_output(path: Path | None, flag: str, *, folder: bool = False) -> None:
+    """Fail now, before a model loads, if ``path`` cannot be written (``folder``: a folder to write into)."""
+    if path is None:
+        return
+    if folder:
+        if path.exists() and not path.is_dir():
+            _fail(f"{flag} {str(path)!r} is a file, but a folder is needed; choose another path")
+    elif path.is_dir():
+        _fail(f"{flag} {str(path)!r} is a folder; give a file path inside it, e.g. {path / 'out.jsonl'}")
+    parent = path if folder else path.parent
+    for up in (parent, *parent.parents):
+        if up.exists():
+            if not up.is_dir():
+                _fail(f"{flag} {str(path)!r} cannot be created: {str(up)!r} is a file, not a folder")
+            if not os.access(up, os.W_OK | os.X_OK):
+                _fail(f"{flag} {str(path)!r} cannot be created: {str(up)!r} is not writable")
+            break
+    if not folder and path.exists() and not os.access(path, os.W_OK):
+        _fail(f"{flag} {str(path)!r} is not writable; choose another path")
+
+
+def _check_model(model: str | None) -> None:
+    """Fail now if ``--model`` names nothing loadable (a missing path, a file that is not GGUF)."""
+    from .models import resolve_model
+
+    source = _run_guarded(lambda: resolve_model(model))
+    if source.gguf_file is not None:
+        path = source.folder / source.gguf_file
+        try:
+            with path.open("rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            _fail(f"--model {str(path)!r} cannot be read: {exc.strerror or exc}")
+        if magic != b"GGUF":
+            _fail(
+                f"--model {str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); give a "
+                "real .gguf file, a Hugging Face model folder, smollm2 or gemma3-270m"
+            )
+
+
+def _load_profile(path: Path) -> Any:
+    """A profile file, validated; text that cannot be encoded (a lone surrogate) is refused by name."""
+    from .profile import load_profile
+    from .server.protocol import unencodable
+
+    prof = _run_guarded(lambda: load_profile(path))
+    bad = unencodable(prof.model_dump(mode="python"))
+    if bad is not None:
+        _fail(f"--profile {str(path)!r}: `{bad}` holds text that cannot be encoded as UTF-8 (a lone surrogate?)")
+    return prof
 
 
 def _read_prompts(path: Path) -> list[str]:
-    if not path.exists():
-        _fail(f"prompt file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path, "--prompts")
     if path.suffix.lower() == ".jsonl":
         prompts = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -74,8 +159,15 @@ def _load(model: str | None) -> tuple[Any, Any]:
 
     from .models import load_model
 
+    _check_model(model)
     with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
-        return load_model(model)
+        try:
+            return load_model(model)
+        except NarrativeGravityError as exc:
+            _fail(str(exc))
+        except (OSError, ValueError, RuntimeError) as exc:  # a damaged model file
+            _fail(f"--model {model or 'smollm2'} cannot be loaded: {exc}; check the file or folder")
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _encoder(name: str) -> Any:
@@ -117,13 +209,13 @@ def generate(
 
     from .generation import SamplingOptions
     from .generation import generate as run
-    from .profile import load_profile
     from .steer import processor_from_profile
 
     texts = _read_prompts(prompts)
     if profile is None and not no_gravity:
         _fail("give --profile FILE for gravity, or --no-gravity for plain decoding")
-    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    _check_output(output, "--output")
+    prof = _load_profile(profile) if profile is not None else None
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
     m, tok = _load(model)
 
@@ -132,39 +224,52 @@ def generate(
             return None
         return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeRemainingColumn(),
-        transient=True,
-    ) as bar:
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fh = output.open("w", encoding="utf-8")
+    except OSError as exc:
+        _fail(f"--output {str(output)!r} cannot be written: {exc.strerror or exc}")
+    results: list[Any] = []
+    # Each batch is seeded alike, so running them one call at a time gives the same rows as one call; every
+    # batch is written as soon as it is done, and an interrupt keeps what is finished.
+    with (
+        fh,
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeRemainingColumn(),
+            transient=True,
+        ) as bar,
+    ):
         task = bar.add_task("generating", total=len(texts))
-        results = _run_guarded(
-            lambda: run(
-                m,
-                tok,
-                texts,
-                options=options,
-                processor_factory=factory,
-                raw=raw,
-                batch_size=batch_size,
-                record_trace=trace,
-                progress=lambda n: bar.advance(task, n),
+        for start in range(0, len(texts), batch_size):
+            done = _run_guarded(
+                lambda start=start: run(
+                    m,
+                    tok,
+                    texts[start : start + batch_size],
+                    options=options,
+                    processor_factory=factory,
+                    raw=raw,
+                    batch_size=batch_size,
+                    record_trace=trace,
+                    progress=lambda n: bar.advance(task, n),
+                )
             )
-        )
-    with output.open("w", encoding="utf-8") as fh:
-        for r in results:
-            row = r.to_json()
-            row["gravity"] = not no_gravity
-            if prof is not None:
-                row["profile"] = prof.name
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            for r in done:
+                row = r.to_json()
+                row["gravity"] = not no_gravity
+                if prof is not None:
+                    row["profile"] = prof.name
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            fh.flush()
+            results.extend(done)
     total_tokens = sum(r.new_tokens for r in results)
     total_s = sum(r.seconds for r in results)
     typer.echo(
-        f"wrote {len(results)} generations to {output} ({total_tokens} tokens, {total_tokens / total_s:.1f} tok/s)"
+        f"wrote {len(results)} generations to {output} ({total_tokens} tokens, "
+        f"{total_tokens / max(total_s, 1e-9):.1f} tok/s)"
     )
 
 
@@ -188,7 +293,9 @@ def compare(
     """
     from .compare import run_compare
 
-    prof = _run_guarded(lambda: __import__("narrative_gravity.profile", fromlist=["x"]).load_profile(profile))
+    prof = _load_profile(profile)
+    _check_output(plot, "--plot")
+    _check_output(json_out, "--json")
     m, tok = _load(model)
     _run_guarded(
         lambda: run_compare(
@@ -221,10 +328,9 @@ def inspect(
     from rich.table import Table
 
     from .models import load_tokenizer
-    from .profile import load_profile
     from .steer import field_from_profile
 
-    prof = _run_guarded(lambda: load_profile(profile))
+    prof = _load_profile(profile)
     if prof.field.mode != "lexical" and prof.field.semantic_source == "lm":  # the field reads the LM's embeddings
         lm, tok = _load(model)
     else:
@@ -266,9 +372,7 @@ def reach(
         table.add_column(col)
     worst = 100.0
     for path in wordlists:
-        if not path.exists():
-            _fail(f"word list {str(path)!r} does not exist")
-        words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines() if w.strip()]
+        words = [w.strip() for w in _read_text(path, "word list").splitlines() if w.strip()]
         ok, bad = reach_words(tok, words)
         pct = 100.0 * len(ok) / max(1, len(words))
         worst = min(worst, pct)
@@ -339,6 +443,13 @@ def eval_command(
 
     if not profile and not report_only:
         _fail("give --profile FILE (repeat for several) or --profile auto")
+    if not report_only:
+        from .eval.prompts import TOPICS, TOPICS_TUNE
+
+        if prompts not in (TOPICS, TOPICS_TUNE):
+            _read_text(Path(prompts), "--prompts")
+        _check_output(out, "--out", folder=True)
+        _check_model(model)
     _run_guarded(
         lambda: run_command(
             prompts=prompts,
@@ -395,6 +506,26 @@ def serve(
     inline_gravity: Annotated[
         bool, typer.Option("--inline-gravity/--no-inline-gravity", help="accept inline profiles, or stored ones only")
     ] = True,
+    insecure_no_auth: Annotated[
+        bool, typer.Option("--insecure-no-auth", help="allow a non-loopback --host without an API key")
+    ] = False,
+    max_stages: Annotated[int, typer.Option("--max-stages", min=1, help="most `stages` of one profile")] = 16,
+    max_words_per_list: Annotated[
+        int, typer.Option("--max-words-per-list", min=1, help="most words in one word list of a profile")
+    ] = 256,
+    max_words: Annotated[int, typer.Option("--max-words", min=1, help="most words of one profile, in all")] = 1024,
+    max_semantic_top_k: Annotated[
+        int, typer.Option("--max-semantic-top-k", min=1, help="largest field.semantic_top_k / thermostat.candidates")
+    ] = 5000,
+    max_semantic_cache_entries: Annotated[
+        int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
+    ] = 256,
+    read_timeout: Annotated[
+        float, typer.Option("--read-timeout", min=0.001, help="seconds for request headers, or between body pieces")
+    ] = 30.0,
+    write_timeout: Annotated[
+        float, typer.Option("--write-timeout", min=0.001, help="seconds a client may leave a response unread")
+    ] = 60.0,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, streaming) with a `gravity` field per request.
@@ -406,7 +537,15 @@ def serve(
         ngrav serve --port 8000
 
         NGRAV_API_KEY=secret ngrav serve --host 0.0.0.0 --store /srv/ngrav/profiles
+
+    Limits on what one request may make the server build (stages, words, semantic field size, disk cache) and
+    the connection timeouts are described in docs/server.md.
     """
+
+    if api_key is None and os.environ.get("NGRAV_API_KEY") == "":
+        api_key = ""  # set but empty: refused below, never read as "no key"
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        _fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
 
     def run() -> None:
         from .server import ServerConfig
@@ -415,7 +554,7 @@ def serve(
         config = ServerConfig(
             host=host,
             port=port,
-            api_key=api_key or None,
+            api_key=api_key,
             max_batch_size=max_batch_size,
             batch_window_ms=batch_window_ms,
             max_queue=max_queue,
@@ -423,7 +562,19 @@ def serve(
             max_prompt_tokens=max_prompt_tokens,
             max_body_bytes=max_body_bytes,
             allow_inline_gravity=inline_gravity,
+            insecure_no_auth=insecure_no_auth,
+            max_stages=max_stages,
+            max_words_per_list=max_words_per_list,
+            max_words=max_words,
+            max_semantic_top_k=max_semantic_top_k,
+            max_semantic_cache_entries=max_semantic_cache_entries,
+            read_timeout_s=read_timeout,
+            write_timeout_s=write_timeout,
         )
+        if store is not None:
+            _check_output(store, "--store", folder=True)
+        if engine == "hf":
+            _check_model(model)
         run_server(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
 
     _run_guarded(run)
@@ -453,15 +604,13 @@ def prune_context_command(
     from rich.console import Console
 
     from .context import prune_context, result_table
-    from .profile import load_profile
 
     enc = _encoder(encoder)
     if count not in ("tokens", "words"):
         _fail(f"--count must be tokens or words, got {count!r}")
-    if not chunks.exists():
-        _fail(f"chunk file {str(chunks)!r} does not exist")
+    _check_output(json_out, "--json")
     rows = []
-    for n, line in enumerate(chunks.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(chunks, "--chunks").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -471,11 +620,12 @@ def prune_context_command(
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             _fail(f"{chunks}:{n}: each line must be a JSON object with a string `text` field")
         rows.append(row)
-    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    prof = _load_profile(profile) if profile is not None else None
     tok = None
     if count == "tokens":
         from .models import load_tokenizer
 
+        _check_model(model)
         tok = _run_guarded(lambda: load_tokenizer(model))
     result = _run_guarded(lambda: prune_context(question, rows, budget, profile=prof, tokenizer=tok, encoder=enc))
     console = Console()
@@ -529,12 +679,12 @@ def plan(
     from rich.markup import escape
 
     from .plan import plan_table, plan_then_write
-    from .profile import load_profile
 
     enc = _encoder(encoder)
     if schedule not in ("thermostat", "constant"):
         _fail(f"--schedule must be thermostat or constant, got {schedule!r}")
-    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    prof = _load_profile(profile) if profile is not None else None
+    _check_output(json_out, "--json")
     m, tok = _load(model)
     console = Console()
     with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
@@ -590,13 +740,22 @@ def chat(
     from rich.console import Console
 
     from .memory import Conversation, TopicMemory
-    from .profile import load_profile
 
-    prof = _run_guarded(lambda: load_profile(profile)) if profile is not None else None
+    prof = _load_profile(profile) if profile is not None else None
     m, tok = _load(model)
     conv = Conversation(m, tok, profile=prof, memory=TopicMemory(decay=decay), max_new_tokens=max_new_tokens)
     console = Console()
-    for line in sys.stdin:
+    stdin = getattr(sys.stdin, "buffer", None)
+    for n, raw_line in enumerate(stdin if stdin is not None else sys.stdin, 1):
+        try:
+            line = raw_line.decode("utf-8") if isinstance(raw_line, bytes) else raw_line
+            line.encode("utf-8")  # a text stream may carry lone surrogates (surrogateescape)
+        except UnicodeError:
+            Console(stderr=True).print(
+                f"[bold red]error:[/] input line {n} is not UTF-8 text; it was skipped (type it again)",
+                highlight=False,
+            )
+            continue
         text = line.strip()
         if not text:
             break

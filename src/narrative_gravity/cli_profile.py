@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from .cli_common import fail as _fail
+
 if TYPE_CHECKING:
     from .store import ProfileStore
 
@@ -55,12 +57,6 @@ def _options(
     ] = None,
 ) -> None:
     ctx.ensure_object(dict)["store"] = store
-
-
-def _fail(message: str) -> None:
-    from .cli import _fail as fail  # imported here: cli.py imports this module
-
-    fail(message)
 
 
 def _guard(fn: Any) -> Any:
@@ -102,8 +98,15 @@ def list_profiles(ctx: typer.Context) -> None:
     for col in ("name", "version", "updated (UTC)", "message"):
         table.add_column(col)
     for info in infos:
-        table.add_row(escape(info.name), str(info.version), info.created, escape(info.message or ""))
-    _console().print(table)
+        if info.error is not None:
+            table.add_row(f"[red]{escape(info.name)}[/]", str(info.version), "[red]damaged[/]", "")
+        else:
+            table.add_row(escape(info.name), str(info.version), info.created, escape(info.message or ""))
+    console = _console()
+    console.print(table)
+    for info in infos:
+        if info.error is not None:
+            console.print(f"[bold red]damaged:[/] {escape(info.name)}: {escape(info.error)}", highlight=False)
 
 
 @profile_app.command()

@@ -18,15 +18,19 @@ maximum of 1, and :meth:`TopicMemory.field` turns them into a lexical field whos
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .engines.hf import NarrativeGravityLogitsProcessor
 from .errors import ConfigurationError
 from .fields import NarrativeField
-from .fields.lexical import build_lexical_field, reach
+from .fields.lexical import weighted_lexical_field
+from .generation import SamplingOptions, chat_ids, eos_token_ids
+from .gravity.field import merge_fields
+from .gravity.schedule import ConstantController
+from .steer import controller_from_profile, field_from_profile
 from .text import STOPWORDS, content_words, word_set
 
 __all__ = ["Conversation", "TopicMemory", "merge_fields", "weighted_lexical_field"]
@@ -128,55 +132,6 @@ def _scaled(weights: Mapping[str, float]) -> dict[str, float]:
     return {w: x / top for w, x in weights.items()}
 
 
-def _pad_prefixes(p: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(p, (width - p.shape[1], 0), value=-1)
-
-
-def merge_fields(fields: Sequence[NarrativeField], *, name: str = "merged") -> NarrativeField:
-    """Combine fields: positive values by ``max``, a negative value wins; continuation tables are stacked."""
-    if not fields:
-        raise ConfigurationError("`fields` has to hold at least one field")
-    width = max(f.vocab_size for f in fields)
-    fitted = [f.fit_vocab(width) for f in fields]
-    vals = torch.stack([f.values for f in fitted])
-    pos = vals.clamp_min(0.0).max(dim=0).values
-    neg = vals.clamp_max(0.0).min(dim=0).values
-    values = torch.where(neg < 0, neg, pos)
-    tables = [f for f in fitted if f.has_continuations]
-    if not tables:
-        return NarrativeField(values=values, name=name)
-    lp = max(f.max_prefix_len for f in tables)
-    return NarrativeField(
-        values=values,
-        prefixes=torch.cat([_pad_prefixes(f.prefixes, lp) for f in tables]),
-        next_ids=torch.cat([f.next_ids for f in tables]),
-        next_values=torch.cat([f.next_values for f in tables]),
-        name=name,
-    )
-
-
-def weighted_lexical_field(
-    tokenizer: Any, weights: Mapping[str, float], *, name: str = "memory", **kwargs: Any
-) -> NarrativeField | None:
-    """A lexical field whose value for each word's forms is the word's weight (in ``(0, 1]``).
-
-    Unreachable words are skipped; ``None`` when none is left. ``kwargs`` go to ``build_lexical_field``.
-    """
-    bad = {w: x for w, x in weights.items() if not 0 < x <= 1}
-    if bad:
-        raise ConfigurationError(f"word weights have to be in (0, 1], but got {bad!r}")
-    ok, _ = reach(tokenizer, list(weights), max_pieces=kwargs.get("max_pieces", 8))
-    if not ok:
-        return None
-    parts = []
-    for w in dict.fromkeys(ok):
-        f = build_lexical_field(tokenizer, [w], name=w, **kwargs)
-        x = float(weights[w])
-        nv = None if f.next_values is None else f.next_values * x
-        parts.append(replace(f, values=f.values * x, next_values=nv))
-    return merge_fields(parts, name=name)
-
-
 class Conversation:
     """A chat whose every answer is pulled toward the conversation's remembered topic (and a profile's field).
 
@@ -200,7 +155,6 @@ class Conversation:
         system: str | None = None,
         history_turns: int = 4,
     ) -> None:
-        from .generation import SamplingOptions
 
         if history_turns < 0:
             raise ConfigurationError(f"`history_turns` has to be >= 0, but is {history_turns}")
@@ -216,24 +170,19 @@ class Conversation:
         self.last_field: NarrativeField | None = None
 
     def _field(self, user_text: str) -> NarrativeField | None:
-        parts = []
+        """The profile's field with the memory's words as its ``memory`` key (the path both engines take),
+        or the memory's field alone without a profile."""
+        weights = self.memory.preview(user_text) or None
         if self.profile is not None:
-            from .steer import field_from_profile
-
-            parts.append(field_from_profile(self.profile, self.tokenizer, model=self.model))
-        mem = self.memory.field(self.tokenizer, user_text)
-        if mem is not None:
-            parts.append(mem)
-        return merge_fields(parts, name="conversation") if parts else None
+            profile = self.profile.model_copy(update={"memory": weights})
+            return field_from_profile(profile, self.tokenizer, model=self.model)
+        return weighted_lexical_field(self.tokenizer, weights) if weights else None
 
     def _controller(self) -> Any:
-        from .gravity.schedule import ConstantController
 
         if self.strength is not None:
             return ConstantController(self.strength)
         if self.profile is not None:
-            from .steer import controller_from_profile
-
             return controller_from_profile(self.profile)
         return ConstantController(1.5)
 
@@ -244,8 +193,6 @@ class Conversation:
             {"role": "user", "content": user_text},
         ]
         if getattr(self.tokenizer, "chat_template", None):
-            from .generation import chat_ids
-
             return chat_ids(self.tokenizer, messages)
         # plain transcript for models without a chat template
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
@@ -253,8 +200,6 @@ class Conversation:
 
     def say(self, user_text: str) -> str:
         """Answer ``user_text``, remember the exchange, and return the answer."""
-        from .engines.hf import NarrativeGravityLogitsProcessor
-        from .generation import eos_token_ids
 
         if not isinstance(user_text, str) or not user_text.strip():
             raise ConfigurationError("`user_text` has to be a non-empty string")

@@ -193,11 +193,26 @@ class Profile(_Strict):
         min_length=1,
         description="hand-written plan stages; the pull follows the current stage (see narrative_gravity.plan)",
     )
+    memory: dict[str, float] | None = Field(
+        None,
+        description="remembered topic words and their weights in (0, 1] (TopicMemory.words()); a lexical "
+        "field of these weights joins the profile's field",
+    )
 
     @field_validator("core_semantics", "penalize")
     @classmethod
     def _words(cls, v: list[str]) -> list[str]:
         return _clean_words(v)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        bad = {w: x for w, x in v.items() if not w.strip() or not 0.0 < x <= 1.0}
+        if bad:
+            raise ValueError(f"memory weights have to be in (0, 1] for non-empty words, but got {bad!r}")
+        return {w.strip(): float(x) for w, x in v.items()}
 
     @model_validator(mode="after")
     def _stage_shares(self) -> Profile:

@@ -17,6 +17,8 @@ from typing import Any
 from .engines.hf import NarrativeGravityLogitsProcessor
 from .errors import ConfigurationError
 from .fields import NarrativeField
+from .fields.lexical import weighted_lexical_field
+from .gravity.field import merge_fields
 from .gravity.kernel import Program
 from .gravity.schedule import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from .gravity.thermo import Trace
@@ -47,7 +49,12 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
             "pass model= (the model you generate with), or set field.semantic_source to 'minilm'"
         )
     spec = json.dumps(
-        {"core": profile.keywords(), "penalize": profile.penalized(), "field": opts.model_dump()},
+        {
+            "core": profile.keywords(),
+            "penalize": profile.penalized(),
+            "field": opts.model_dump(),
+            "memory": profile.memory,
+        },
         sort_keys=True,
     )
     model_key = id(model) if semantic and opts.semantic_source == "lm" else 0
@@ -57,6 +64,10 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
         _FIELD_CACHE.move_to_end(key)
         return hit[2]
     built = _build_field(profile, tokenizer, model)
+    if profile.memory:
+        remembered = weighted_lexical_field(tokenizer, profile.memory, name="memory")
+        if remembered is not None:
+            built = merge_fields([built, remembered], name=built.name)
     # The model is held weakly: the cache must not keep a generator in memory.
     _FIELD_CACHE[key] = (tokenizer, weakref.ref(model) if model_key else None, built)
     while len(_FIELD_CACHE) > FIELD_CACHE_SIZE:

@@ -79,6 +79,7 @@ __all__ = [
     "ProfileStore",
     "Snapshot",
     "SnapshotInfo",
+    "StoreDamagedError",
     "default_store_root",
 ]
 
@@ -115,6 +116,13 @@ def default_store_root() -> Path:
     return base / "narrative-gravity" / "profiles"
 
 
+class StoreDamagedError(StoreError):
+    """The store itself is at fault: a snapshot cannot be read or no longer validates, or a write failed.
+
+    Unlike other :class:`~narrative_gravity.errors.StoreError` s, nothing the caller asked for was wrong.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
     """One entry of a profile's history."""
@@ -143,6 +151,8 @@ class ProfileInfo:
     version: int
     created: str
     message: str | None
+    error: str | None = None
+    """Why the head snapshot cannot be read (then ``created`` is ``""``); ``None`` for a readable profile."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +302,18 @@ class ProfileStore:
         return self._publish(self._dir(name), old.profile, f"rollback to {old.version}")
 
     def list(self) -> builtins.list[ProfileInfo]:
-        """Every stored profile with its head snapshot, sorted by name."""
+        """Every stored profile with its head snapshot, sorted by name.
+
+        A profile whose head snapshot cannot be read is still listed, with ``error`` saying why, so that one
+        damaged file does not hide the others.
+        """
         out = []
         for name, head in sorted(self.heads().items()):
-            snap = self._read(name, head)
+            try:
+                snap = self._read(name, head)
+            except StoreError as exc:
+                out.append(ProfileInfo(name, head, "", None, error=str(exc)))
+                continue
             out.append(ProfileInfo(name, snap.version, snap.created, snap.message))
         return out
 
@@ -344,7 +362,7 @@ class ProfileStore:
         try:
             raw = path.read_bytes()
         except OSError as exc:
-            raise StoreError(f"cannot read snapshot {str(path)!r}: {exc.strerror or exc}") from None
+            raise StoreDamagedError(f"cannot read snapshot {str(path)!r}: {exc.strerror or exc}") from None
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -352,7 +370,7 @@ class ProfileStore:
         if not isinstance(doc, dict):
             raise _corrupt(path, "its root is not an object")
         if isinstance(doc.get("format"), int) and doc["format"] > FORMAT:
-            raise StoreError(
+            raise StoreDamagedError(
                 f"snapshot {str(path)!r} has format {doc['format']}, newer than this narrative-gravity "
                 f"understands ({FORMAT}); upgrade narrative-gravity"
             )
@@ -364,18 +382,19 @@ class ProfileStore:
         try:
             profile = Profile.from_mapping(doc.get("profile"), source=str(path))
         except ProfileError as exc:
-            raise StoreError(
+            raise StoreDamagedError(
                 f"snapshot {str(path)!r} no longer validates (written by another narrative-gravity version?): {exc}"
             ) from None
         return Snapshot(version, created, message, profile)
 
     def _publish(self, directory: Path, profile: Profile, message: str | None) -> int:
         body = profile.model_dump(mode="json")
+        _encode({"message": message, "profile": body}, directory.name)  # a profile JSON cannot hold: no folder made
         _ensure_dir(directory)
         try:
             return self._publish_locked(directory, body, message)
         except OSError as exc:
-            raise StoreError(
+            raise StoreDamagedError(
                 f"cannot write profile {directory.name!r} in {str(self.root)!r}: {exc.strerror or exc}; "
                 "check that the folder is writable and the disk is not full"
             ) from None
@@ -387,10 +406,7 @@ class ProfileStore:
             versions = _scan(directory)
             version = versions[-1] + 1 if versions else 1
             doc = {"format": FORMAT, "version": version, "created": _now(), "message": message, "profile": body}
-            try:
-                data = (json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
-            except ValueError as exc:
-                raise StoreError(f"profile {directory.name!r} cannot be stored as JSON: {exc}") from None
+            data = _encode(doc, directory.name)
             final = directory / _file_name(version)
             fd, tmp = tempfile.mkstemp(prefix=f".{final.name}{_TMP_MARK}", dir=directory)
             try:
@@ -410,6 +426,15 @@ class ProfileStore:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+
+
+def _encode(doc: dict[str, Any], name: str) -> bytes:
+    """The snapshot file's bytes; infinite numbers and text UTF-8 cannot hold raise :class:`StoreError`."""
+    try:
+        return (json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is a ValueError too
+        why = "it holds text that is not valid Unicode (a lone surrogate?)" if isinstance(exc, UnicodeError) else exc
+        raise StoreError(f"profile {name!r} cannot be stored as JSON: {why}; fix the profile") from None
 
 
 def _file_name(version: int) -> str:
@@ -452,7 +477,7 @@ def _ensure_dir(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StoreError(f"cannot create the profile folder {str(directory)!r}: {exc.strerror or exc}") from None
+        raise StoreDamagedError(f"cannot create the profile folder {str(directory)!r}: {exc.strerror or exc}") from None
     _fsync_dir(directory.parent)
 
 
@@ -474,7 +499,7 @@ def _now() -> str:
 
 
 def _corrupt(path: Path, why: str) -> StoreError:
-    return StoreError(
+    return StoreDamagedError(
         f"snapshot {str(path)!r} is damaged: {why}; the store never writes such a file, so something else changed "
         "it; restore it from a backup or move it out of the folder"
     )

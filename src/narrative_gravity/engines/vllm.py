@@ -143,8 +143,8 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
 
     max_programs = 64  # distinct profiles whose built fields are kept
     on_step: Any = None
-    """Called as ``on_step(processor, logits, pulled, result)`` after every step with gravity, where
-    ``result`` is the kernel's :class:`~narrative_gravity.gravity.kernel.StepResult` (λ and the step's
+    """A function ``(processor, logits, pulled, result)``, set on the class, called after every step with
+    gravity; ``result`` is the kernel's :class:`~narrative_gravity.gravity.kernel.StepResult` (λ and the step's
     measurement per logits row). For tests and debugging; ``None`` (the default) costs nothing."""
 
     def __init__(self, vllm_config: Any, *args: Any, tokenizer: Any = None) -> None:
@@ -250,7 +250,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         out, result = self.kernel.apply(logits, *rows, measure_step=self.on_step is not None)
         self.last_strength = result.strength
         if self.on_step is not None:
-            self.on_step(self, logits, out, result)
+            self.on_step(logits, out, result)
         return out
 
     # -- per-request programs ------------------------------------------------------------------------
@@ -369,7 +369,8 @@ class CheckpointEmbeddings:
     _NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self._embedding = torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
+        with torch.inference_mode(False):
+            self._embedding = torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self._embedding
@@ -388,7 +389,9 @@ class CheckpointEmbeddings:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if name.endswith(cls._NAMES):
-                        return cls(f.get_tensor(name))
+                        # vLLM builds processors in inference mode; the field cache needs a normal tensor
+                        with torch.inference_mode(False):
+                            return cls(f.get_tensor(name).clone())
         raise ConfigurationError(
             f"semantic_source 'lm' reads the model's input embeddings from its safetensors checkpoint, and none "
             f"was found in {folder!r}; serve a folder with *.safetensors files, or use semantic_source 'minilm'"

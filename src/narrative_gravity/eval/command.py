@@ -79,7 +79,8 @@ def run_command(
     from rich.console import Console
 
     from .report import write_reports
-    from .runner import RESULTS, EvalSettings, run_eval
+    from .runner import EvalSettings, run_eval
+    from .store import RESULTS
 
     console = Console(stderr=True, soft_wrap=True)
     if report_only:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from .metrics import METRICS
-from .runner import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 from .stats import BETTER, NO_CLEAR, WORSE, PairedComparison, bootstrap_ci, paired_bootstrap, summary_line
+from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
 __all__ = ["build_summary", "export_markdown", "render_html", "render_markdown", "write_reports"]
 

@@ -33,14 +33,12 @@ from ..profile import TOPIC_DEFAULTS, Profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
 from .prompts import TOPICS, TOPICS_TUNE, EvalPrompt, limit_prompts, load_prompts
+from .report import write_reports
+from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
 __all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "run_eval"]
 
-CONTROL = "control"
 AUTO = "auto"
-RESULTS = "results.jsonl"
-FAILURES = "failures.jsonl"
-RUN_FILE = "run.json"
 TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
 # The default topic profile, which `--profile auto` starts from; `core_semantics` is replaced by each topic's
 # conditioning words (see `TOPIC_DEFAULTS`).
@@ -108,60 +106,6 @@ class EvalSettings:
 
 # --------------------------------------------------------------------------------------------------
 # the results file
-
-
-def row_key(row: dict[str, Any]) -> tuple[str, int, int]:
-    return (str(row["profile"]), int(row["prompt_index"]), int(row["seed"]))
-
-
-class ResultStore:
-    """``results.jsonl``: one JSON row per generation, appended, flushed and synced batch by batch."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-
-    def load(self, *, repair: bool = False) -> list[dict[str, Any]]:
-        """The complete rows (first row per key). A half-written last line is dropped (and cut off with
-        ``repair``); a corrupt line in the middle raises an error that names it."""
-        if not self.path.exists():
-            return []
-        data = self.path.read_bytes()
-        lines = data.split(b"\n")
-        complete, tail = lines[:-1], lines[-1]
-        rows: list[dict[str, Any]] = []
-        seen: set[tuple[str, int, int]] = set()
-        good_bytes = 0
-        for n, line in enumerate(complete, 1):
-            good_bytes += len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                key = row_key(row)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                if n == len(complete) and not tail.strip():
-                    good_bytes -= len(line) + 1  # a torn last line that happens to end in a newline
-                    break
-                raise ConfigurationError(
-                    f"{self.path}:{n}: not a valid result row; fix or delete that line, then resume"
-                ) from None
-            if key not in seen:
-                seen.add(key)
-                rows.append(row)
-        if repair and good_bytes < len(data):
-            with self.path.open("r+b") as fh:
-                fh.truncate(good_bytes)
-        return rows
-
-    def append(self, rows: Sequence[dict[str, Any]]) -> None:
-        if not rows:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        payload = "".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n" for r in rows)
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -646,8 +590,6 @@ def run_eval(
         _loop(runner, plan, settings, store, done, todo_n, out, progress, console)
     summary: dict[str, Any] = {}
     if write_report:
-        from .report import write_reports
-
         summary = write_reports(out)
     return summary
 

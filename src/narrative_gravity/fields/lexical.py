@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..errors import FieldError, VocabularyError
-from ..gravity.field import NarrativeField, WordReport
+from ..errors import ConfigurationError, FieldError, VocabularyError
+from ..gravity.field import NarrativeField, WordReport, merge_fields
 
-__all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms"]
+__all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms", "weighted_lexical_field"]
 
 # Anchors put in front of a word to get its after-a-space form: encode("a planet") minus encode("a").
 _ANCHORS = ("a", "The", "x", "0", ".")
@@ -379,3 +379,25 @@ def _reason(rejected: list[str], mismatch: tuple[str, str] | None) -> str:
     if kinds == {"empty"}:
         return "the tokenizer encodes it to no tokens"
     return "every surface form contains the unknown token or a special token, or encodes to nothing"
+
+
+def weighted_lexical_field(
+    tokenizer: Any, weights: Mapping[str, float], *, name: str = "memory", **kwargs: Any
+) -> NarrativeField | None:
+    """A lexical field whose value for each word's forms is the word's weight (in ``(0, 1]``).
+
+    Unreachable words are skipped; ``None`` when none is left. ``kwargs`` go to ``build_lexical_field``.
+    """
+    bad = {w: x for w, x in weights.items() if not 0 < x <= 1}
+    if bad:
+        raise ConfigurationError(f"word weights have to be in (0, 1], but got {bad!r}")
+    ok, _ = reach(tokenizer, list(weights), max_pieces=kwargs.get("max_pieces", 8))
+    if not ok:
+        return None
+    parts = []
+    for w in dict.fromkeys(ok):
+        f = build_lexical_field(tokenizer, [w], name=w, **kwargs)
+        x = float(weights[w])
+        nv = None if f.next_values is None else f.next_values * x
+        parts.append(replace(f, values=f.values * x, next_values=nv))
+    return merge_fields(parts, name=name)

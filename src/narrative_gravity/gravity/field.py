@@ -19,14 +19,15 @@ A field has two parts:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
 
-from ..errors import VocabularyError
+from ..errors import FieldError, VocabularyError
 
-__all__ = ["NO_TOKEN", "NarrativeField", "WordReport", "last_tokens", "match_suffixes"]
+__all__ = ["NO_TOKEN", "NarrativeField", "WordReport", "last_tokens", "match_suffixes", "merge_fields"]
 
 
 @dataclass(frozen=True)
@@ -223,3 +224,30 @@ def match_suffixes(ids: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
     """
     tail = last_tokens(ids, patterns.shape[1])
     return ((tail[:, None, :] == patterns[None]) | (patterns[None] < 0)).all(dim=-1)
+
+
+def _pad_prefixes(p: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(p, (width - p.shape[1], 0), value=-1)
+
+
+def merge_fields(fields: Sequence[NarrativeField], *, name: str = "merged") -> NarrativeField:
+    """Combine fields: positive values by ``max``, a negative value wins; continuation tables are stacked."""
+    if not fields:
+        raise FieldError("`fields` has to hold at least one field")
+    width = max(f.vocab_size for f in fields)
+    fitted = [f.fit_vocab(width) for f in fields]
+    vals = torch.stack([f.values for f in fitted])
+    pos = vals.clamp_min(0.0).max(dim=0).values
+    neg = vals.clamp_max(0.0).min(dim=0).values
+    values = torch.where(neg < 0, neg, pos)
+    tables = [f for f in fitted if f.has_continuations]
+    if not tables:
+        return NarrativeField(values=values, name=name)
+    lp = max(f.max_prefix_len for f in tables)
+    return NarrativeField(
+        values=values,
+        prefixes=torch.cat([_pad_prefixes(f.prefixes, lp) for f in tables]),
+        next_ids=torch.cat([f.next_ids for f in tables]),
+        next_values=torch.cat([f.next_values for f in tables]),
+        name=name,
+    )

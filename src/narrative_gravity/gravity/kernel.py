@@ -131,6 +131,7 @@ class _Bank:
     next_values: torch.Tensor | None  # [E]
     entry_frow: torch.Tensor | None  # [E] field row of each entry
     forms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # stage words (patterns, field row, word)
+    columns: torch.Tensor  # [F + 1, K] the thermostat's candidate positions per field row, largest |a| first
     n_words: int
     first: dict[int, int]  # program slot -> its first field row
     zero_row: int
@@ -373,8 +374,9 @@ class GravityKernel:
         """Each of ``rows`` (default ``0..len(tokens)-1``) generated ``tokens``; with ``new`` (bool, per row)
         only where it is true. Updates the history, the step, what the row has said, and its stage."""
         tokens = tokens.to(self.device).long()
+        rows_t = torch.arange(tokens.shape[0], device=self.device) if rows is None else rows
         if rows is None:
-            rows = torch.arange(tokens.shape[0], device=self.device)
+            rows = slice(0, tokens.shape[0])  # the transformers case: views, no gathers
         recent = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
         step = self.step[rows] + 1
         if new is not None:
@@ -385,9 +387,9 @@ class GravityKernel:
         if self.said is not None:
             ids = tokens.clamp(0, self.said.shape[1] - 1)
             if new is None:
-                self.said[rows, ids] = True
+                self.said[rows_t, ids] = True
             else:
-                self.said[rows, ids] = self.said[rows, ids] | new
+                self.said[rows_t, ids] = self.said[rows_t, ids] | new
         if self.last_stage.any():
             dtype = self._bank[0][2] if self._bank is not None else torch.float32
             bank = self._bank_for(self._width(), dtype)
@@ -430,7 +432,7 @@ class GravityKernel:
         """
         b, vocab = logits.shape
         if rows is None:
-            rows = torch.arange(b, device=self.device)
+            rows = slice(0, b)  # the transformers case: views, no gathers
             rows_np = np.arange(b)
         elif rows_np is None:
             rows_np = rows.cpu().numpy()
@@ -441,15 +443,13 @@ class GravityKernel:
             self._said(vocab)
         frow = dev["first"][rows] + self.stage[rows]
         support = bank.support
-        a = bank.values[frow]  # [B, S]
         recent = self.recent[rows]
-        if bank.prefixes is not None:
-            match = match_suffixes(recent, bank.prefixes) & (bank.entry_frow[None] == frow[:, None])  # [B, E]
-            a = a.scatter_add(1, bank.next_pos[None].expand(b, -1), match.to(a.dtype) * bank.next_values[None])
-            a = a.clamp(-1.0, 1.0)
+        a = self._field_rows(bank, frow, recent)  # [B, S]
         repeat = self.repeat[rows_np]
         if (repeat < 1.0).any():
-            said = self.said[rows[:, None], support[None, :]]
+            said = (
+                self.said[rows][:, support] if isinstance(rows, slice) else self.said[rows[:, None], support[None, :]]
+            )
             a = torch.where(said & (a > 0), a * dev["repeat"][rows][:, None].to(a.dtype), a)
         sched = self.sched[rows_np]
         cols = Columns(dev["sched"][rows])
@@ -467,7 +467,10 @@ class GravityKernel:
                 probs, entropy = probabilities(logits)
                 k = int(sched[thermo, _COL["candidates"]].max())
                 n_iter = int(sched[thermo, _COL["iterations"]].max())
-                prob = MassProblem(probs, entropy, a, None if bank.dense else support, k, cols.candidates)
+                k = min(k, bank.columns.shape[1])
+                prob = MassProblem(
+                    probs, entropy, a, None if bank.dense else support, k, cols.candidates, bank.columns[frow]
+                )
                 ids = recent.clamp(0, vocab - 1)
                 pos = bank.pos_of[ids]
                 on = (pos >= 0) & (recent >= 0) & (recent < vocab)
@@ -523,6 +526,16 @@ class GravityKernel:
             return a
         return torch.zeros(a.shape[0], vocab, dtype=a.dtype, device=a.device).index_copy_(1, support, a)
 
+    @staticmethod
+    def _field_rows(bank: _Bank, frow: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+        """Each row's field on the support, ``[B, S]``: its field row, plus the continuations of its last tokens."""
+        a = bank.values[frow]
+        if bank.prefixes is not None:
+            match = match_suffixes(recent, bank.prefixes) & (bank.entry_frow[None] == frow[:, None])  # [B, E]
+            pieces = bank.next_pos[None].expand(a.shape[0], -1)
+            a = a.scatter_add(1, pieces, match.to(a.dtype) * bank.next_values[None]).clamp(-1.0, 1.0)
+        return a
+
     def fields(self, rows: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
         """The dense ``[B, V]`` field each row is pulled toward now (its stage, continuations included;
         before ``repeat_weight``). For inspection and tests."""
@@ -533,12 +546,7 @@ class GravityKernel:
         if rows is None:
             rows = torch.arange(self.capacity, device=self.device)
         frow = self._upload(bank)["first"][rows] + self.stage[rows]
-        a = bank.values[frow]
-        if bank.prefixes is not None:
-            match = match_suffixes(self.recent[rows], bank.prefixes) & (bank.entry_frow[None] == frow[:, None])
-            a = a.scatter_add(1, bank.next_pos[None].expand(len(rows), -1), match.to(a.dtype) * bank.next_values[None])
-            a = a.clamp(-1.0, 1.0)
-        return self._dense(a, bank.support, bank.dense, vocab)
+        return self._dense(self._field_rows(bank, frow, self.recent[rows]), bank.support, bank.dense, vocab)
 
     # -- the field bank -------------------------------------------------------------------------------
 
@@ -587,6 +595,16 @@ class GravityKernel:
             next_pos = torch.cat([pos_of[f.next_ids] for _, f in tables])
             next_values = torch.cat([f.next_values for _, f in tables]).to(dtype)
             entry_frow = torch.cat([torch.full((f.next_ids.shape[0],), i, device=dev) for i, f in tables])
+        # The thermostat's candidates, once per field row: the largest |a| first (continuation pieces count
+        # with their own value), so that no step sorts.
+        score = values.abs().float()
+        if tables:
+            cont = torch.zeros_like(score).index_put_(
+                (entry_frow, next_pos), next_values.abs().float(), accumulate=False
+            )
+            score = torch.maximum(score, cont)
+        k = min(support.numel(), max([1, *(int(p.schedule[_COL["candidates"]]) for p in self._programs.values())]))
+        columns = torch.argsort(score, dim=-1, descending=True, stable=True)[:, :k].contiguous()
         form_tables = None
         n_words = max([1, *(p.stages.n_words for p in self._programs.values() if p.stages is not None)])
         if forms:
@@ -610,6 +628,7 @@ class GravityKernel:
             next_values=next_values,
             entry_frow=entry_frow,
             forms=form_tables,
+            columns=columns,
             n_words=n_words,
             first=first,
             zero_row=zero,

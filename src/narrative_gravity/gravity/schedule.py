@@ -181,13 +181,13 @@ def thermostat_target(
 
 
 class MassProblem:
-    """Everything the bisection needs for one step, for fields given on a support.
+    """Everything the solver needs for one step, for fields given on a support.
 
     Tokens with ``a = 0`` do not move when λ changes, so with ``p = softmax(l)`` the narrative mass of
     ``softmax(l + λ·a)`` is ``m(λ) = Σ_{a>0} p·e^{λa} / Σ_v p·e^{λa}``, and only the support changes from one
-    λ to the next. Per row, the ``candidates`` support columns with the largest ``|a|`` take part; the
-    probability outside them enters as a constant (mass on pulled tokens outside the candidates is kept at
-    its λ = 0 value, so λ then errs on the strong side). Each evaluation is one ``exp`` over ``[R, K]``.
+    λ to the next. Per row, ``candidates`` support columns take part (``columns``, or else the ones with the
+    largest ``|a|``); the probability outside them enters as a constant (mass on pulled tokens outside the
+    candidates is kept at its λ = 0 value, so λ then errs on the strong side).
 
     Args:
         probs: ``softmax(logits)`` ``[R, V]`` (NaN rows where every logit is ``-inf``).
@@ -196,6 +196,8 @@ class MassProblem:
         support: ``[S]`` token ids, or ``None`` for the whole vocabulary.
         candidates: how many columns take part (the most any row asks for).
         row_candidates: optional ``[R]``: each row's own count (``≤ candidates``).
+        columns: optional ``[R, candidates]`` positions in ``field`` to use, best first (the kernel picks
+            them once per field, from its base values).
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class MassProblem:
         support: torch.Tensor | None,
         candidates: int,
         row_candidates: torch.Tensor | None = None,
+        columns: torch.Tensor | None = None,
     ) -> None:
         self.p, self.entropy = probs, entropy
         b = probs.shape[0]
@@ -217,27 +220,27 @@ class MassProblem:
         self.mass0 = torch.nan_to_num(mass0, nan=0.0)
         p_s = torch.nan_to_num(p_s, nan=0.0)
         width = a.shape[1]
-        k_max = candidates  # a host int: no device read to learn the widest row
-        if k_max >= width:
+        k_max = min(candidates, width)  # a host int: no device read to learn the widest row
+        if k_max >= width and columns is None:
             q, a_c, pos_c = p_s, a, pos
         else:
-            idx = torch.topk(a.abs(), k_max, dim=-1, sorted=True).indices  # [R, K]
+            idx = columns[:, :k_max] if columns is not None else torch.topk(a.abs(), k_max, dim=-1).indices
             q = p_s.gather(1, idx)
             if row_candidates is not None:  # rows that asked for fewer candidates drop the rest
                 q = q * (torch.arange(k_max, device=a.device)[None] < row_candidates.to(a.device)[:, None])
             a_c, pos_c = a.gather(1, idx), pos.gather(1, idx)
-        if k_max >= width and support is None:  # every token takes part
+        if k_max >= width and support is None and columns is None:  # every token takes part
             self.out_pos = self.out_all = None
-        else:  # the probability outside the candidates is a constant of the bisection
+        else:  # the probability outside the candidates is a constant of the solver
             self.out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
             self.out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
-        self.q = torch.stack([q * pos_c, q], dim=1)  # [R, 2, K]: numerator and denominator weights
+        self.q = torch.stack([q * pos_c, q], dim=-1)  # [R, K, 2]: numerator and denominator weights
         self.a = a_c
 
     def mass(self, lam: torch.Tensor) -> torch.Tensor:
         """``m(λ)`` for one λ per row (``[R]``); 0 for rows without a finite logit."""
         w = torch.exp(lam[:, None] * self.a)  # [R, K]
-        s = torch.bmm(self.q, w.unsqueeze(-1)).squeeze(-1)  # [R, 2]
+        s = torch.bmm(w.unsqueeze(1), self.q).squeeze(1)  # [R, 2]
         num, den = s[:, 0], s[:, 1]
         if self.out_pos is not None:
             num, den = num + self.out_pos, den + self.out_all
@@ -252,9 +255,11 @@ class MassProblem:
     ) -> torch.Tensor:
         """The smallest λ ∈ [0, λ_max] per row whose mass reaches ``target`` (vectorized bisection).
 
-        The returned λ is the upper end of the final bracket, so its mass reaches the target. Rows already
-        at the target get 0; rows where λ_max falls short get λ_max; rows without a finite logit get 0.
-        ``row_iterations`` (``[R]``, each ``≤ iterations``): a row stops narrowing after its own count.
+        ``m(λ)`` is non-decreasing, so a fixed number of ``iterations`` halves the bracket each time, with no
+        host synchronisation and no loop over rows. The returned λ is the upper end of the final bracket, so
+        its mass reaches the target. Rows already at the target get 0; rows where λ_max falls short get
+        λ_max; rows without a finite logit get 0. ``row_iterations`` (``[R]``, each ``≤ iterations``): a row
+        stops narrowing after its own count.
         """
         hi = max_strength.to(torch.float32).clone()
         lo = torch.zeros_like(hi)
@@ -263,11 +268,11 @@ class MassProblem:
             reached = self.mass(mid) >= target
             if row_iterations is not None:
                 live = row_iterations > i
-                reached_live, missed_live = reached & live, ~reached & live
+                hi = torch.where(reached & live, mid, hi)
+                lo = torch.where(~reached & live, mid, lo)
             else:
-                reached_live, missed_live = reached, ~reached
-            hi = torch.where(reached_live, mid, hi)
-            lo = torch.where(missed_live, mid, lo)
+                hi = torch.where(reached, mid, hi)
+                lo = torch.where(reached, lo, mid)
         done = (self.mass0 >= target) | ~self.alive
         return torch.where(done, torch.zeros_like(hi), hi)
 

@@ -52,7 +52,7 @@ def apply_gravity(
         mask: optional bool ``[V]`` or ``[B, V]``; ``True`` marks tokens to prune (set to ``-inf``). A row is
             never pruned to nothing: where the mask would remove every finite candidate, it is ignored.
         support: ``[S]`` distinct token ids where ``field`` is given. Then the work is one copy of the
-            logits plus an ``index_add`` over ``B × S`` entries instead of arithmetic over ``B × V``.
+            logits plus a gather and a scatter over ``B × S`` entries instead of arithmetic over ``B × V``.
 
     Returns:
         A new ``[B, V]`` tensor. ``-inf`` entries stay ``-inf``.
@@ -60,8 +60,8 @@ def apply_gravity(
     lam = _as_row_strength(strength, logits)
     field = field.to(logits.dtype)
     if support is not None:
-        delta = (lam * field).expand(logits.shape[0], -1)
-        out = logits.clone().index_add_(1, support, delta)
+        out = logits.clone()
+        out[:, support] = out[:, support] + lam * field  # the support's ids are distinct
     else:
         # One fused pass over [B, V]: no temporary λ·a.
         out = torch.add(logits, field, alpha=lam) if isinstance(lam, float) else torch.addcmul(logits, lam, field)

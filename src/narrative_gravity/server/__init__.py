@@ -22,7 +22,7 @@ __all__ = ["Backend", "HFBackend", "ServerConfig", "create_app", "make_backend",
 
 _WHERE = {
     "Backend": ".backend",
-    "make_backend": ".backend",
+    "make_backend": ".factory",
     "HFBackend": ".hf",
     "ServerConfig": ".config",
     "create_app": ".app",

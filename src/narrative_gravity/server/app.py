@@ -11,6 +11,10 @@ Routes (all but ``/health`` need ``Authorization: Bearer KEY`` when the server h
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``; unexpected failures answer a generic ``500``
 and are logged with their traceback, never returned.
+
+Before a request's rows are queued, everything it could fail on is checked (:mod:`.limits`); a failure that still
+happens inside a batch fails only its own row (:mod:`.scheduler`). Client connections have read and write
+timeouts (:func:`uvicorn_config`), so a client that stops sending or reading does not hold a connection forever.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,11 +44,13 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 else:
     _MISSING = None
 
-from ..store import ProfileStore
+from ..profile import Profile
+from ..store import ProfileStore, StoreDamagedError
 from .backend import Backend, ResolvedGravity, RowStats, Sampling
 from .config import ServerConfig
 from .detok import ChoiceText
 from .gravity import GravityResolver, public_message
+from .limits import check_gravity, check_profile
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     APIError,
@@ -58,7 +65,7 @@ from .protocol import (
 )
 from .scheduler import Job, make_scheduler
 
-__all__ = ["create_app", "serve"]
+__all__ = ["create_app", "serve", "uvicorn_config"]
 
 log = logging.getLogger("narrative_gravity.server")
 
@@ -77,11 +84,14 @@ def _dumps(obj: Any) -> str:
 class _GuardMiddleware:
     """Checks the API key and the declared body size before any route runs or any body byte is read."""
 
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: Metrics, write_timeout_s: float = 60.0
+    ) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -100,10 +110,29 @@ class _GuardMiddleware:
                 if declared > self.max_body_bytes:
                     error = _too_large(self.max_body_bytes)
         if error is None:
-            await self.app(scope, receive, send)
+            await self._guarded(scope, receive, send)
             return
         self.metrics.error(error.status, error.code)
         await _json_response(error.status, error.body(), error.headers)(scope, receive, send)
+
+    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app with a write timeout: a client that reads nothing for ``write_timeout_s`` is dropped."""
+
+        async def timed_send(message: dict[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                raise _WriteTimeout from None
+
+        try:
+            await self.app(scope, receive, timed_send)
+        except _WriteTimeout:
+            log.warning(
+                "dropped a client on %s that read nothing for %.0f s (write timeout)",
+                scope.get("path"),
+                self.write_timeout_s,
+            )
+            raise
 
     def _auth_error(self, header: bytes | None) -> APIError | None:
         assert self.key is not None
@@ -121,16 +150,33 @@ class _GuardMiddleware:
         return None
 
 
+class _WriteTimeout(Exception):
+    """The client did not read a response piece in time; uvicorn closes the connection."""
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(
         413, f"the request body is larger than this server's limit of {limit} bytes; send less", code="body_too_large"
     )
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it passes ``limit`` bytes (chunked uploads have no Content-Length)."""
+async def _read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The body, refused as soon as it passes ``limit`` bytes (chunked uploads have no Content-Length), or with
+    ``408`` when the client sends nothing for ``timeout_s`` seconds before it is complete."""
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive: nothing was received for {timeout_s:g} s; send the whole body",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
@@ -254,7 +300,16 @@ def create_app(
     app.state.metrics = metrics
     app.state.store = store
     app.state.backend = backend
-    app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        _GuardMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        metrics=metrics,
+        write_timeout_s=config.write_timeout_s,
+    )
+
+    async def read_body(request: Request) -> bytes:
+        return await _read_body(request, config.max_body_bytes, config.read_timeout_s)
 
     # --------------------------------------------------------------------------------------- errors
 
@@ -342,11 +397,7 @@ def create_app(
 
         def work() -> ResolvedGravity | None:
             gravity = resolver.resolve(spec)
-            if gravity is not None:
-                try:
-                    backend.prepare(gravity.profile)
-                except NarrativeGravityError as exc:
-                    raise APIError(400, f"gravity: {exc}", param="gravity", code="invalid_profile") from None
+            check_gravity(gravity, backend, config)  # everything the rows could fail on, before they are queued
             return gravity
 
         return await asyncio.to_thread(work)
@@ -391,7 +442,7 @@ def create_app(
 
     async def run_request(request: Request, *, chat: bool) -> Any:
         started = time.perf_counter()
-        data = parse_json(await _read_body(request, config.max_body_bytes))
+        data = parse_json(await read_body(request))
         if chat:
             req = parse_request(ChatRequest, data)
             prompts: list[Any] = [chat_messages(req)]
@@ -499,7 +550,14 @@ def create_app(
                     )
             try:
                 return fn()
-            except NarrativeGravityError as exc:  # invalid profile, bad message, unwritable store
+            except StoreDamagedError as exc:  # our fault, not the client's: logged, and a 500
+                log.error("profile store failure: %s", exc)
+                raise APIError(
+                    500,
+                    "the profile store could not be read or written; the server log has the details",
+                    code="store_error",
+                ) from None
+            except NarrativeGravityError as exc:  # invalid profile, bad message
                 raise APIError(400, public_message(exc, store), code="invalid_profile") from None
 
         return await asyncio.to_thread(work)
@@ -530,7 +588,14 @@ def create_app(
     @app.get("/v1/profiles")
     async def list_profiles() -> dict[str, Any]:
         infos = await store_call(store.list)
-        return {"object": "list", "data": [vars(i) for i in infos]}
+        data = []
+        for info in infos:
+            row = {k: v for k, v in vars(info).items() if k != "error"}
+            if info.error is not None:  # listed and flagged; the details stay in the server log
+                log.error("profile %r cannot be read: %s", info.name, info.error)
+                row["error"] = "the newest snapshot of this profile is damaged; the server log has the details"
+            data.append(row)
+        return {"object": "list", "data": data}
 
     @app.get("/v1/profiles/{name}")
     async def get_profile(name: str, request: Request) -> dict[str, Any]:
@@ -540,7 +605,7 @@ def create_app(
 
     @app.api_route("/v1/profiles/{name}", methods=["PUT", "POST"])
     async def set_profile(name: str, request: Request) -> dict[str, Any]:
-        data = parse_json(await _read_body(request, config.max_body_bytes))
+        data = parse_json(await read_body(request))
         if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
             raise APIError(
                 400,
@@ -553,7 +618,13 @@ def create_app(
                 400, f"unknown keys {sorted(unknown)}; send only `profile` and `message`", param=sorted(unknown)[0]
             )
         message = data.get("message")
-        version = await store_call(lambda: store.set(name, data["profile"], message=message))
+
+        def put() -> int:
+            profile = Profile.from_mapping(data["profile"], source=f"profile {name!r}")
+            check_profile(profile, config, param="profile")  # a stored profile must be usable here
+            return store.set(name, profile, message=message)
+
+        version = await store_call(put)
         return {"name": name, "version": version}
 
     @app.get("/v1/profiles/{name}/history")
@@ -571,7 +642,7 @@ def create_app(
 
     @app.post("/v1/profiles/{name}/rollback")
     async def profile_rollback(name: str, request: Request) -> dict[str, Any]:
-        data = parse_json(await _read_body(request, config.max_body_bytes))
+        data = parse_json(await read_body(request))
         to = data.get("to") if isinstance(data, dict) else None
         if isinstance(to, bool) or not isinstance(to, int) or to < 1:
             raise APIError(400, 'send {"to": N} with the version to restore (a whole number >= 1)', param="to")
@@ -689,6 +760,73 @@ async def _stream(
 # ----------------------------------------------------------------------------------------------- serve
 
 
+def uvicorn_config(app: Any, config: ServerConfig, *, log_level: str = "info", **kwargs: Any) -> Any:
+    """The ``uvicorn.Config`` that runs ``app`` with ``config``'s connection timeouts.
+
+    - ``read_timeout_s``: a connection must deliver complete request headers within this time (a fresh
+      connection, or one that starts a new request on keep-alive); a body that stalls gets ``408``.
+    - ``write_timeout_s``: a response piece the client leaves unread this long drops the connection.
+    - ``keep_alive_s``: an idle keep-alive connection is closed after this time.
+
+    ``kwargs`` go to ``uvicorn.Config`` (e.g. ``host`` and ``port``).
+    """
+    import uvicorn
+
+    options: dict[str, Any] = {
+        "log_level": log_level,
+        "timeout_keep_alive": config.keep_alive_s,
+        "limit_concurrency": max(256, 4 * config.max_queue),
+        "server_header": False,
+        "timeout_graceful_shutdown": 30,
+        "h11_max_incomplete_event_size": 16 * 1024,  # request line and headers
+        "http": _timed_h11(config.read_timeout_s),
+        **kwargs,
+    }
+    return uvicorn.Config(app, **options)
+
+
+def _timed_h11(read_timeout_s: float) -> Any:
+    """uvicorn's h11 protocol, plus a deadline for request headers (uvicorn has none: a client that opens a
+    connection and sends a few bytes, or nothing, would keep it forever)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._arm()  # still waiting for (the rest of) the request headers
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(read_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closed a connection that sent no complete request headers in %g s", read_timeout_s)
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
 def serve(
     config: ServerConfig,
     *,
@@ -707,9 +845,19 @@ def serve(
             "the server needs uvicorn; install it with:\n    pip install 'narrative-gravity[server]'"
         ) from None
 
-    from .backend import make_backend
+    from ..fields.semantic import set_field_cache_limit
+    from .factory import make_backend
 
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.is_loopback and config.api_key is None:  # ServerConfig allowed it: --insecure-no-auth
+        message = (
+            f"WARNING: listening on {config.host} without an API key (--insecure-no-auth): anyone who can reach "
+            "it can generate and change profiles; set NGRAV_API_KEY to require a key"
+        )
+        print(message, file=sys.stderr, flush=True)
+        log.warning(message)
     profile_store = ProfileStore(store)
+    set_field_cache_limit(config.max_semantic_cache_entries)
     options: dict[str, Any] = {}
     if engine == "vllm":  # vLLM decodes up to --max-batch-size rows per step and fits the longest allowed request
         options = {
@@ -717,22 +865,6 @@ def serve(
             "max_model_len": config.max_prompt_tokens + config.max_tokens_limit,
         }
     backend = make_backend(engine, model, device=device, **options)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(backend, config=config, store=profile_store)
-    if not config.is_loopback and config.api_key is None:
-        log.warning(
-            "listening on %s without an API key: anyone who can reach it can generate and change profiles; "
-            "set --api-key or NGRAV_API_KEY",
-            config.host,
-        )
     log.info("profile store: %s", profile_store.root)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        timeout_keep_alive=5,
-        limit_concurrency=max(256, 4 * config.max_queue),
-        server_header=False,
-        timeout_graceful_shutdown=30,
-    )
+    uvicorn.Server(uvicorn_config(app, config, log_level=log_level, host=config.host, port=config.port)).run()

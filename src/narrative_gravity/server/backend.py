@@ -34,7 +34,6 @@ __all__ = [
     "RowStats",
     "Sampling",
     "TokenizerText",
-    "make_backend",
 ]
 
 ENGINES = ("hf", "vllm")
@@ -210,22 +209,3 @@ class TokenizerText:
         bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
         if bad:
             raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
-
-
-def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", **options: Any) -> Backend:
-    """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (an in-process vLLM engine).
-
-    ``options`` go to :meth:`VLLMBackend.load <narrative_gravity.server.vllm.VLLMBackend.load>` (``max_num_seqs``,
-    ``max_model_len``, ``kv_cache_mb``); the transformers engine takes none.
-    """
-    if engine == "hf":
-        from .hf import HFBackend
-
-        if options:
-            raise ConfigurationError(f"options {sorted(options)} apply to --engine vllm only")
-        return HFBackend.load(model, device=device)
-    if engine == "vllm":
-        from .vllm import VLLMBackend
-
-        return VLLMBackend.load(model, device=device, **options)
-    raise ConfigurationError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")

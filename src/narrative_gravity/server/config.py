@@ -6,6 +6,10 @@
 Traceback (most recent call last):
 ...
 narrative_gravity.errors.ConfigurationError: `max_batch_size` has to be >= 1, but is 0
+>>> ServerConfig(host="0.0.0.0")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+narrative_gravity.errors.ConfigurationError: refusing to listen on 0.0.0.0 without an API key: ...
 """
 
 from __future__ import annotations
@@ -38,6 +42,15 @@ class ServerConfig:
         max_choices: the most rows one request may ask for (``n`` × prompts).
         allow_inline_gravity: accept inline profile mappings in ``gravity``; switch it off on a shared server so
             that clients can use only the stored profiles (every new inline profile builds and caches a field).
+        insecure_no_auth: allow a non-loopback ``host`` without ``api_key`` (a warning is printed on every start).
+        max_stages: the most ``stages`` one profile may declare (each builds a full-vocabulary field).
+        max_words_per_list: the most words in one list of a profile (``core_semantics``, ``penalize``, a stage's).
+        max_words: the most words of one profile, all lists together.
+        max_semantic_top_k: the largest ``field.semantic_top_k`` and ``thermostat.candidates`` a profile may ask for.
+        max_semantic_cache_entries: semantic fields kept in the disk cache (least recently used are removed).
+        read_timeout_s: seconds a client may take to send its request headers, or between two pieces of its body.
+        write_timeout_s: seconds a client may leave a response piece unread before the connection is dropped.
+        keep_alive_s: seconds an idle keep-alive connection stays open.
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +65,15 @@ class ServerConfig:
     max_body_bytes: int = 1_000_000
     max_choices: int = 8
     allow_inline_gravity: bool = True
+    insecure_no_auth: bool = False
+    max_stages: int = 16
+    max_words_per_list: int = 256
+    max_words: int = 1024
+    max_semantic_top_k: int = 5000
+    max_semantic_cache_entries: int = 256
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +84,11 @@ class ServerConfig:
             "max_prompt_tokens",
             "max_body_bytes",
             "max_choices",
+            "max_stages",
+            "max_words_per_list",
+            "max_words",
+            "max_semantic_top_k",
+            "max_semantic_cache_entries",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -72,8 +99,20 @@ class ServerConfig:
             raise ConfigurationError(
                 f"`batch_window_ms` has to be in [0, 10000], but is {self.batch_window_ms}; 5-50 ms is typical"
             )
+        for name in ("read_timeout_s", "write_timeout_s", "keep_alive_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+                raise ConfigurationError(f"`{name}` has to be in (0, 3600] seconds, but is {value!r}")
         if self.api_key is not None and not self.api_key.strip():
-            raise ConfigurationError("`api_key` is empty; give a non-empty key, or none to switch auth off")
+            raise ConfigurationError(
+                "the API key is empty (is NGRAV_API_KEY set to an empty string?); set a non-empty key, "
+                "or unset it to serve without auth on loopback"
+            )
+        if not self.is_loopback and self.api_key is None and not self.insecure_no_auth:
+            raise ConfigurationError(
+                f"refusing to listen on {self.host} without an API key: anyone who can reach it could generate and "
+                "change profiles; set NGRAV_API_KEY (or --api-key), or pass --insecure-no-auth if that is intended"
+            )
 
     @property
     def is_loopback(self) -> bool:

@@ -29,19 +29,22 @@ narrative_gravity.server.protocol.APIError: no profile named 'spcae'; did you me
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from ..errors import ProfileError, StoreError
 from ..profile import Profile
-from ..store import ProfileStore
+from ..store import ProfileStore, StoreDamagedError
 from .backend import ResolvedGravity
 from .protocol import APIError
 
 __all__ = ["GravityResolver", "public_message"]
 
 _REFERENCE_KEYS = {"profile", "version"}
+
+log = logging.getLogger("narrative_gravity.server")
 
 
 def public_message(exc: Exception, store: ProfileStore) -> str:
@@ -115,7 +118,16 @@ class GravityResolver:
                 param="gravity.version",
                 code="version_not_found",
             )
-        profile = self._load(name, version)  # a damaged snapshot raises StoreError: a server-side 500
+        try:
+            profile = self._load(name, version)
+        except StoreDamagedError as exc:  # our fault, not the client's
+            log.error("profile %r version %d cannot be read: %s", name, version, exc)
+            raise APIError(
+                500,
+                f"profile {name!r} version {version} cannot be read from the store; the server log has the details",
+                param="gravity.profile",
+                code="store_error",
+            ) from None
         key = json.dumps(profile.model_dump(mode="json"), sort_keys=True)
         return ResolvedGravity(profile=profile, label=name, key=key, name=name, version=version)
 

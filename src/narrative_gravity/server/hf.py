@@ -50,6 +50,8 @@ __all__ = [
 
 log = logging.getLogger("narrative_gravity.server")
 
+_PREPARE_TOKENS = 64  # the token budget of the trial processor that prepare() builds
+
 
 class GroupedGravityLogitsProcessor(LogitsProcessor):
     """Apply a different gravity processor to each group of rows of one batch.
@@ -188,9 +190,12 @@ class HFBackend(TokenizerText):
     # ------------------------------------------------------------------------------------------- gravity
 
     def prepare(self, profile: Profile) -> None:
+        """Build the profile's field (cached) and a processor on it, so that whatever a batch would build for
+        this profile has been built once already and any error surfaces here, before the rows are queued."""
         # One build at a time: requests that bring the same new profile together wait for one build, not N.
         with self._prepare_lock:
             field_from_profile(profile, self.tokenizer, model=self.model)
+            processor_from_profile(profile, self.tokenizer, max_new_tokens=_PREPARE_TOKENS, model=self.model)
 
     # ------------------------------------------------------------------------------------------- generation
 

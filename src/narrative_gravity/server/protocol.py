@@ -11,6 +11,20 @@ Unknown request fields are refused with a did-you-mean, as OpenAI's API does:
 Traceback (most recent call last):
 ...
 narrative_gravity.server.protocol.APIError: unrecognized request argument `gravtiy`; did you mean `gravity`?
+
+Types are strict, as in OpenAI's API: a number in quotes or a boolean for a number is refused, not coerced:
+
+>>> parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": "5"})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+narrative_gravity.server.protocol.APIError: `max_tokens`: Input should be a valid integer (got "5")
+
+Text that cannot be encoded (a lone surrogate such as ``"\\ud800"`` in JSON) is refused with the field it is in:
+
+>>> parse_json(b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}')  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+narrative_gravity.server.protocol.APIError: `messages.0.content` holds text that cannot be encoded as UTF-8 ...
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ __all__ = [
     "generation_params",
     "parse_json",
     "parse_request",
+    "unencodable",
 ]
 
 _TYPES = {
@@ -79,10 +94,16 @@ def parse_json(body: bytes) -> Any:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON; send a finite number")
 
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is too large for a number; send a finite number")
+        return value
+
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(body.decode("utf-8"), parse_constant=no_constants)
+        data = json.loads(body.decode("utf-8"), parse_constant=no_constants, parse_float=finite)
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not UTF-8 text; send UTF-8 JSON", code="invalid_json") from None
     except json.JSONDecodeError as exc:
@@ -94,10 +115,49 @@ def parse_json(body: bytes) -> Any:
     except (ValueError, RecursionError) as exc:
         why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
+    bad = unencodable(data)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"`{bad}` holds text that cannot be encoded as UTF-8 (a lone surrogate such as \\ud800); "
+            "send valid Unicode text",
+            param=bad,
+            code="invalid_text",
+        )
+    return data
+
+
+def unencodable(data: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in ``data`` that UTF-8 cannot encode, else ``None``.
+
+    >>> unencodable({"a": ["ok", "\\ud800"]})
+    'a.1'
+    >>> unencodable({"a": "fine"}) is None
+    True
+    """
+    stack: list[tuple[str, Any]] = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for key, item in reversed(items):
+                child = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and unencodable(key) is not None:
+                    return (where + "." if where else "") + repr(key)
+                stack.append((child, item))
+        elif isinstance(value, (list, tuple)):
+            for i in reversed(range(len(value))):
+                stack.append((f"{where}.{i}" if where else str(i), value[i]))
+    return None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str
     gravity: Any = None
@@ -123,7 +183,7 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

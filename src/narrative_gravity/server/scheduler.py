@@ -12,13 +12,17 @@ the next one; a full queue answers ``429``.
 
 Tokens travel back through the backend's per-step callback: the worker thread calls
 ``loop.call_soon_threadsafe`` once per step, which puts ``(index, "token", id)`` on each request's
-:class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``, or
-``(index, "error", exc)`` when the batch failed.
+:class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``.
+
+One row never fails the others: when a batch raises, each of its rows is run again on its own, so only the row
+that fails by itself gets ``(index, "error", exc)``. A row that had already streamed tokens must regenerate the
+same tokens first (its seed makes it reproducible); those are not sent twice, and a row whose replay differs is
+failed rather than sent text that does not join up.
 
 **ContinuousScheduler.** Each request's rows go to the engine as soon as they arrive and join its running batch
 at its next step; rows leave it one by one as they finish. The engine's thread reports each step's events once,
-and one ``loop.call_soon_threadsafe`` per step puts them on the requests' queues, as above. Too many rows in
-flight answer ``429``.
+and one ``loop.call_soon_threadsafe`` per step puts them on the requests' queues, as above. A row the engine
+refuses or fails gets its own ``error``; too many rows in flight answer ``429``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Row:
     gravity: ResolvedGravity | None
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
+    sent: list[int] = field(default_factory=list)
+    """Token ids already delivered (the replay check of a rerun compares against them)."""
 
 
 class Job:
@@ -188,24 +194,70 @@ class BatchScheduler:
                 return rows
 
     async def _run_batch(self, rows: list[Row]) -> None:
+        self._running = rows
+        try:
+            try:
+                stats = await self._generate(rows)
+            except Exception as exc:
+                if len(rows) == 1:
+                    log.error("a row failed", exc_info=exc)
+                    rows[0].job.deliver(rows[0].index, "error", exc)
+                    return
+                log.warning(
+                    "a batch of %d rows failed (%s: %s); running its rows one by one",
+                    len(rows),
+                    type(exc).__name__,
+                    exc,
+                )
+                for row in rows:
+                    await self._run_alone(row)
+                return
+        finally:
+            self._running = []
+        self._finish(rows, stats)
+
+    async def _run_alone(self, row: Row) -> None:
+        """Rerun one row of a failed batch; it gets its stats, or the error it raises by itself."""
+        if row.cancelled:
+            row.job.deliver(row.index, "end", RowStats(new_tokens=len(row.sent)))
+            return
+        self._running = [row]
+        replay = _Replay(row)
+        try:
+            stats = await self._generate([row], replay)
+        except Exception as exc:
+            log.error("a row failed on its own", exc_info=exc)
+            row.job.deliver(row.index, "error", exc)
+            return
+        if replay.diverged:
+            row.job.deliver(
+                row.index,
+                "error",
+                APIError(
+                    500,
+                    "generation failed in a shared batch and its rerun did not repeat the text already sent; retry",
+                    code="internal_error",
+                ),
+            )
+            return
+        self._finish([row], stats)
+
+    async def _generate(self, rows: list[Row], replay: _Replay | None = None) -> list[RowStats]:
         loop = self._loop
         assert loop is not None and self._executor is not None
 
-        def on_tokens(tokens: list[int]) -> None:  # runs in the worker thread
+        def on_tokens(tokens: list[int | None]) -> None:  # runs in the worker thread
+            if replay is not None:
+                tokens = replay.filter(tokens)
             loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens)
 
-        self._running = rows
         t0 = time.perf_counter()
         try:
-            stats: list[RowStats] = await loop.run_in_executor(self._executor, self.backend.generate, rows, on_tokens)
-        except Exception as exc:
-            log.exception("a batch of %d rows failed", len(rows))
-            for row in rows:
-                row.job.deliver(row.index, "error", exc)
-            return
+            return await loop.run_in_executor(self._executor, self.backend.generate, rows, on_tokens)
         finally:
-            self._running = []
             self.metrics.batch(len(rows), time.perf_counter() - t0)
+
+    def _finish(self, rows: list[Row], stats: list[RowStats]) -> None:
         for row, s in zip(rows, stats):
             if row.gravity is not None and s.narrative_mass is not None:
                 self.metrics.gravity_row(row.gravity.label, s.narrative_mass, s.kl or 0.0)
@@ -215,7 +267,28 @@ class BatchScheduler:
     def _deliver_tokens(rows: list[Row], tokens: list[int | None]) -> None:
         for row, token in zip(rows, tokens):
             if token is not None and not row.cancelled:
+                row.sent.append(token)
                 row.job.deliver(row.index, "token", token)
+
+
+class _Replay:
+    """Drops the tokens a rerun row had already sent, and notes when the rerun takes another path."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+        self.expected = list(row.sent)  # copied: the event loop appends to row.sent
+        self.step = 0
+        self.diverged = False
+
+    def filter(self, tokens: list[int | None]) -> list[int | None]:
+        token = tokens[0]
+        if token is None or self.step >= len(self.expected):
+            return tokens
+        if token != self.expected[self.step]:
+            self.diverged = True
+            self.row.cancelled = True  # stop generating: this text can no longer be sent
+        self.step += 1
+        return [None]
 
 
 def _shutting_down() -> APIError:
@@ -298,6 +371,7 @@ class ContinuousScheduler:
                 advanced.add(id(row))
                 if row.cancelled:
                     continue
+                row.sent.append(payload)
             elif row not in self._live:  # already failed by stop()
                 continue
             else:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..models import DEFAULT_MODEL, hf_folder
 from ..profile import Profile
 from .backend import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
 
@@ -54,7 +55,7 @@ class _EngineMetrics:
     """A ``prometheus_client`` collector that yields vLLM's own ``vllm:*`` metrics from its global registry."""
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client import REGISTRY
+        from prometheus_client import REGISTRY  # vLLM's dependency; its collectors register there
 
         for metric in REGISTRY.collect():
             if metric.name.startswith("vllm:"):
@@ -115,8 +116,6 @@ class VLLMBackend(TokenizerText):
                 f"engine 'vllm' needs vLLM, which is not importable here ({exc}); run `bash scripts/setup_vllm.sh` "
                 "and start the server with .venv-vllm/bin/ngrav serve --engine vllm, or use --engine hf"
             ) from None
-        from ..models import DEFAULT_MODEL, hf_folder
-
         if device not in ("cpu", "auto", "cuda"):
             raise ConfigurationError(f"engine 'vllm' picks its own device; got --device {device!r}, use cpu or cuda")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process

@@ -1,0 +1,27 @@
+"""Pick the server's engine: :func:`make_backend` for ``ngrav serve --engine``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigurationError
+from .backend import ENGINES, Backend
+from .hf import HFBackend
+from .vllm import VLLMBackend
+
+__all__ = ["make_backend"]
+
+
+def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", **options: Any) -> Backend:
+    """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (an in-process vLLM engine).
+
+    ``options`` go to :meth:`VLLMBackend.load <narrative_gravity.server.vllm.VLLMBackend.load>` (``max_num_seqs``,
+    ``max_model_len``, ``kv_cache_mb``); the transformers engine takes none.
+    """
+    if engine == "hf":
+        if options:
+            raise ConfigurationError(f"options {sorted(options)} apply to --engine vllm only")
+        return HFBackend.load(model, device=device)
+    if engine == "vllm":
+        return VLLMBackend.load(model, device=device, **options)
+    raise ConfigurationError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
