@@ -715,3 +715,7 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     tokens = [t for row, k, t in events if row is good and k == "token"]
     assert kind == "end" and stats.new_tokens == len(tokens) >= 1
     assert backend.in_flight() == (0, 0)
+    # the blocking Backend.generate runs through the same engine thread: the same greedy tokens
+    steps: list[list[int | None]] = []
+    assert backend.generate([good], steps.append) == [stats]
+    assert [ids[0] for ids in steps] == tokens

@@ -138,7 +138,7 @@ class VLLMBackend(TokenizerText):
     # ------------------------------------------------------------------------------------------- gravity
 
     def prepare(self, profile: Profile) -> None:
-        """Reject what the vLLM processor cannot run before the request reaches the engine."""
+        """Parse the profile as the vLLM processor will, so a bad one fails its request before the engine."""
         from ..engines.vllm import profile_from_extra_args
 
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
