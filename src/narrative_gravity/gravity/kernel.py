@@ -311,6 +311,7 @@ class GravityKernel:
             self.threshold[row] = np.nan
             self.repeat[row] = 1.0
             self.last_stage[row] = 0
+            self.stage[row] = 0  # an empty row reads the zero field row, with no stage on top
             self._dirty = True
 
     def swap(self, a: int, b: int) -> None:
