@@ -8,8 +8,9 @@ the next one; a full queue answers ``429``.
 
 Tokens travel back through the backend's per-step callback: the worker thread calls
 ``loop.call_soon_threadsafe`` once per step, which puts ``(index, "token", id)`` on each request's
-:class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``, or
-``(index, "error", exc)`` when the batch failed.
+:class:`asyncio.Queue`; a backend that measures each step (for rows with ``trace``) puts
+``(index, "stats", TokenStats)`` just before that token. When the batch ends every row gets
+``(index, "end", RowStats)``, or ``(index, "error", exc)`` when the batch failed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backend import Backend, ResolvedGravity, RowStats, Sampling
+from .backend import Backend, ResolvedGravity, RowStats, Sampling, TokenStats
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -45,6 +46,7 @@ class Row:
     gravity: ResolvedGravity | None
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
+    trace: bool = False  # the request asked for per-token stats
 
 
 class Job:
@@ -181,8 +183,9 @@ class BatchScheduler:
         loop = self._loop
         assert loop is not None and self._executor is not None
 
-        def on_tokens(tokens: list[int]) -> None:  # runs in the worker thread
-            loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens)
+        def on_tokens(tokens: list[int | None], stats: list[TokenStats | None] | None = None) -> None:
+            # runs in the worker thread
+            loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens, stats)
 
         self._running = rows
         t0 = time.perf_counter()
@@ -202,7 +205,9 @@ class BatchScheduler:
             row.job.deliver(row.index, "end", s)
 
     @staticmethod
-    def _deliver_tokens(rows: list[Row], tokens: list[int | None]) -> None:
-        for row, token in zip(rows, tokens):
+    def _deliver_tokens(rows: list[Row], tokens: list[int | None], stats: list[TokenStats | None] | None) -> None:
+        for i, (row, token) in enumerate(zip(rows, tokens)):
             if token is not None and not row.cancelled:
+                if stats is not None and stats[i] is not None:
+                    row.job.deliver(row.index, "stats", stats[i])
                 row.job.deliver(row.index, "token", token)
