@@ -328,13 +328,15 @@ def ngrav_serve(store: Path) -> Iterator[str]:
     cmd = [sys.executable, "-c", "from narrative_gravity.cli import main; main()", "serve"]
     cmd += ["--port", str(port), "--store", str(store), "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = store.parent / "serve.log"
+    with log.open("w") as err:  # a file, not a pipe: a pipe nobody reads would stall the server when full
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"ngrav serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+                raise RuntimeError(f"ngrav serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
             try:
                 if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
                     break
