@@ -369,19 +369,28 @@ def page_run(driver: Any) -> dict[str, Any]:
 def direct_pair(url: str, bodies: list[dict[str, Any]]) -> float:
     """Wall time in ms of the same two streamed requests made directly, at the same time."""
     import concurrent.futures
+    import threading
 
-    def one(body: dict[str, Any]) -> int:
-        with (
-            httpx.Client(base_url=url, trust_env=False, timeout=600) as http,
-            http.stream("POST", "/v1/chat/completions", json=body) as resp,
-        ):
+    clients = [httpx.Client(base_url=url, trust_env=False, timeout=600) for _ in bodies]
+    for client in clients:  # connected before the clock starts, as the page's are
+        assert client.get("/health").status_code == 200
+    ready = threading.Barrier(len(bodies) + 1)
+
+    def one(client: Any, body: dict[str, Any]) -> int:
+        ready.wait()
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             return len(sse(resp))
 
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        assert all(n > 1 for n in pool.map(one, bodies))
-    return (time.perf_counter() - t0) * 1000
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(one, c, b) for c, b in zip(clients, bodies)]
+        ready.wait()  # both requests leave together, so they share a batch as the page's do
+        t0 = time.perf_counter()
+        assert all(f.result() > 1 for f in futures)
+        ms = (time.perf_counter() - t0) * 1000
+    for client in clients:
+        client.close()
+    return ms
 
 
 def points(driver: Any, chart: str, series: str) -> int:
@@ -469,3 +478,36 @@ def test_playground_on_the_default_model(tmp_path: Path) -> None:
         shot.parent.mkdir(parents=True, exist_ok=True)
         assert driver.save_screenshot(str(shot))
         http.close()
+
+
+class _NoStatsBackend(HFBackend):
+    """The transformers backend with its per-token stats turned off: an engine that does not measure each step
+    (the vLLM engine today), for the page's fallback."""
+
+    token_stats = False
+
+    def generate(self, rows: Any, on_tokens: Any) -> Any:
+        return super().generate(rows, lambda tokens, stats=None: on_tokens(tokens))
+
+
+@needs_browser
+def test_engine_without_token_stats_degrades(tiny_backend: HFBackend, tmp_path: Path) -> None:
+    backend = _NoStatsBackend(tiny_backend.model, tiny_backend.tokenizer, model_id=MODEL)
+    running_server = RunningServer(create_app(backend, store=ProfileStore(tmp_path)))
+    try:
+        with running_server.http() as http:
+            assert not http.get("/v1/playground").json()["token_stats"]
+            _, tokens, usage = stream(http, {"prompt": "The comet", "max_tokens": 8, "gravity": SPACE})
+            assert [set(t) for t in tokens] == [{"id"}] * usage["completion_tokens"]
+        with browser() as driver:
+            open_page(driver, running_server.url + "/")
+            set_value(driver, "#core-words", "planet, orbit")
+            driver.find_element(*by("#mode-raw")).click()
+            set_value(driver, "#max-tokens", "8")
+            driver.find_element(*by("#run-button")).click()
+            wait_for(driver, lambda d: d.find_element(*by("#run-status")).get_attribute("data-state") == "done")
+            assert driver.find_elements(*by("#text-gravity .tok")) and not driver.find_elements(*by(".tok.tinted"))
+            assert "does not report per-token stats" in driver.find_element(*by("#chart-strength")).text
+            wait_for(driver, lambda d: "narrative-token rate" in d.find_element(*by("#summary")).text)
+    finally:
+        running_server.close()
