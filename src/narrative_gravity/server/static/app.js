@@ -470,7 +470,7 @@ function lambdaScale() {
   return g;
 }
 
-function appendText(box, text, tokens, tint) {
+function tokenSpan(text, tokens, tint) {
   const span = document.createElement("span");
   span.className = "tok";
   span.textContent = text;
@@ -485,7 +485,34 @@ function appendText(box, text, tokens, tint) {
       span.classList.add("tinted");
     }
   }
-  box.appendChild(span);
+  return span;
+}
+
+// Text and charts are redrawn a few times a second, not per token: the browser then takes next to no CPU
+// away from a model running on the same machine.
+const FLUSH_MS = 200;
+
+function makePainter(boxes, series) {
+  const pending = { plain: [], gravity: [] };
+  let timer = null;
+  const flush = () => {
+    clearTimeout(timer);
+    timer = null;
+    for (const [name, chunks] of Object.entries(pending)) {
+      if (!chunks.length) continue;
+      const frag = document.createDocumentFragment();
+      for (const [text, tokens] of chunks) frag.appendChild(tokenSpan(text, tokens, name === "gravity"));
+      boxes[name].appendChild(frag);
+      chunks.length = 0;
+    }
+    drawCharts(series);
+  };
+  const add = (name, text, tokens) => {
+    pending[name].push([text, tokens]);
+    series[name].push(...tokens);
+    if (timer === null) timer = setTimeout(flush, FLUSH_MS);
+  };
+  return { add, flush };
 }
 
 async function runPair() {
@@ -521,22 +548,22 @@ async function runPair() {
   status.dataset.state = "running";
   status.textContent = "streaming…";
   const t1 = performance.now();
+  const painter = makePainter(boxes, series);
   const start = (name, measureOnly) =>
-    streamOne(chat, { ...body, gravity: gravitySpec(measureOnly) }, controllers[name].signal, (text, tokens) => {
-      appendText(boxes[name], text, tokens, name === "gravity");
-      series[name].push(...tokens);
-      drawChartsSoon(series);
-    });
+    streamOne(chat, { ...body, gravity: gravitySpec(measureOnly) }, controllers[name].signal, (text, tokens) =>
+      painter.add(name, text, tokens),
+    );
   try {
     const [plain, gravity] = await Promise.all([start("plain", true), start("gravity", false)]);
+    painter.flush();
     const t2 = performance.now();
-    drawCharts(series);
     const n = { plain: plain.tokens.length, gravity: gravity.tokens.length };
     window.ngrav.lastRun = { ms_total: t2 - t0, ms_streams: t2 - t1, tokens: n, plain, gravity };
     status.dataset.state = "done";
     status.textContent = `done: ${n.plain} + ${n.gravity} tokens in ${((t2 - t1) / 1000).toFixed(2)} s`;
     summarize(chat, prompt, plain, gravity).catch((err) => ($("#summary").textContent = err.message));
   } catch (err) {
+    painter.flush();
     const stopped = err.name === "AbortError";
     status.dataset.state = stopped ? "stopped" : "error";
     status.textContent = stopped ? "stopped" : err.message;
@@ -596,11 +623,6 @@ const CHARTS = [
   { id: "chart-mass", keys: ["mass", "mass_after"], max: 1 },
   { id: "chart-kl", keys: ["kl"] },
 ];
-let chartFrame = null;
-
-function drawChartsSoon(series) {
-  if (chartFrame === null) chartFrame = requestAnimationFrame(() => ((chartFrame = null), drawCharts(series)));
-}
 
 function drawCharts(series) {
   const steps = Math.max(Number($("#max-tokens").value) || 1, series.plain.length, series.gravity.length, 2);
