@@ -283,6 +283,19 @@ def test_page_shows_invalid_profiles_and_stops_runs(server: RunningServer) -> No
         n = len(driver.find_elements(*by("#text-gravity .tok")))
         assert 3 <= n < 256
 
+        # compare over seeds, cancelled while it runs: progress shown, then no table and no rows left
+        set_value(driver, "#seeds-n", "4")
+        driver.find_element(*by("#compare-button")).click()
+        wait_for(driver, lambda d: running_rows(http)[0] > 0)
+        assert driver.find_element(*by("#compare-progress")).is_displayed()
+        driver.find_element(*by("#compare-cancel")).click()
+        wait_for(driver, lambda d: d.find_element(*by("#compare-status")).text == "cancelled")
+        assert not driver.find_element(*by("#compare-table")).is_displayed()
+        deadline = time.monotonic() + 20
+        while running_rows(http) != (0.0, 0.0):
+            assert time.monotonic() < deadline, f"rows still in flight: {running_rows(http)}"
+            time.sleep(0.05)
+
 
 @needs_browser
 def test_page_asks_for_the_api_key_once(tiny_backend: HFBackend, tmp_path: Path) -> None:
