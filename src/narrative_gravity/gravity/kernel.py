@@ -462,15 +462,23 @@ class GravityKernel:
         elif strength is not None:
             lam = strength(self._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
         else:
-            lam = scheduled_strength(step, budget, cols).to(torch.float32)
             thermo = sched[:, _COL["thermostat"]] > 0
+            lam = None
+            if not thermo.all():
+                lam = scheduled_strength(step, budget, cols).to(torch.float32)
             if thermo.any():
                 probs, entropy = probabilities(logits)
-                k = int(sched[thermo, _COL["candidates"]].max())
-                n_iter = int(sched[thermo, _COL["iterations"]].max())
-                k = min(k, bank.columns.shape[1])
+                iters, cands = sched[thermo, _COL["iterations"]], sched[thermo, _COL["candidates"]]
+                k = min(int(cands.max()), bank.columns.shape[1])
+                same_k = bool((np.minimum(cands, k) == k).all())  # host-side: per-row counts only when they differ
                 prob = MassProblem(
-                    probs, entropy, a, None if bank.dense else support, k, cols.candidates, bank.columns[frow]
+                    probs,
+                    entropy,
+                    a,
+                    None if bank.dense else support,
+                    k,
+                    None if same_k else cols.candidates,
+                    bank.columns[frow],
                 )
                 ids = recent.clamp(0, vocab - 1)
                 pos = bank.pos_of[ids]
@@ -478,8 +486,10 @@ class GravityKernel:
                 on &= bank.on[frow[:, None], pos.clamp_min(0)]
                 off = off_topic_share(recent, on, step, cols)
                 target = thermostat_target(step, budget, cols, entropy, vocab, off)
-                solved = prob.solve(target, cols.base.float(), n_iter, cols.iterations)
-                lam = torch.where(cols.thermostat > 0, solved, lam)
+                n_iter = int(iters.max())
+                same_iter = bool((iters == n_iter).all())
+                solved = prob.solve(target, cols.base.float(), n_iter, None if same_iter else cols.iterations)
+                lam = solved if lam is None else torch.where(cols.thermostat > 0, solved, lam)
         mask = None
         thr = self.threshold[rows_np]
         if np.isfinite(thr).any():

@@ -229,22 +229,21 @@ class MassProblem:
             if row_candidates is not None:  # rows that asked for fewer candidates drop the rest
                 q = q * (torch.arange(k_max, device=a.device)[None] < row_candidates.to(a.device)[:, None])
             a_c, pos_c = a.gather(1, idx), pos.gather(1, idx)
-        if k_max >= width and support is None and columns is None:  # every token takes part
-            self.out_pos = self.out_all = None
-        else:  # the probability outside the candidates is a constant of the solver
-            self.out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
-            self.out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
+        if not (k_max >= width and support is None and columns is None):
+            # the probability outside the candidates is a constant of the solver: one more column with a = 0
+            out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
+            out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
+            q = torch.cat([q, out_all[:, None]], dim=1)
+            pos_c = torch.cat([pos_c, (out_pos / out_all.clamp_min(1e-30))[:, None]], dim=1)
+            a_c = torch.cat([a_c, torch.zeros_like(a_c[:, :1])], dim=1)
         self.q = torch.stack([q * pos_c, q], dim=-1)  # [R, K, 2]: numerator and denominator weights
         self.a = a_c
 
     def mass(self, lam: torch.Tensor) -> torch.Tensor:
         """``m(λ)`` for one λ per row (``[R]``); 0 for rows without a finite logit."""
         w = torch.exp(lam[:, None] * self.a)  # [R, K]
-        s = torch.bmm(w.unsqueeze(1), self.q).squeeze(1)  # [R, 2]
-        num, den = s[:, 0], s[:, 1]
-        if self.out_pos is not None:
-            num, den = num + self.out_pos, den + self.out_all
-        return torch.nan_to_num(num / den, nan=0.0)
+        s = torch.bmm(w.unsqueeze(1), self.q)  # [R, 1, 2]
+        return (s[:, 0, 0] / s[:, 0, 1].clamp_min(1e-30)).clamp_max(1.0)
 
     def solve(
         self,
