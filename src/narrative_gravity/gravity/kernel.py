@@ -42,12 +42,11 @@ from .schedule import (
     Columns,
     MassProblem,
     off_topic_share,
-    probabilities,
     scheduled_strength,
     thermostat_target,
 )
 from .stages import StagePlan, advance_stages
-from .thermo import Measurement, measure, measure_from_probs, measure_on_support
+from .thermo import Measurement, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
 
 __all__ = ["GravityKernel", "Program", "StepResult"]
@@ -467,7 +466,7 @@ class GravityKernel:
             if not thermo.all():
                 lam = scheduled_strength(step, budget, cols).to(torch.float32)
             if thermo.any():
-                probs, entropy = probabilities(logits)
+                probs, entropy = probabilities(logits, None if bank.dense else support)  # [B, S]
                 iters, cands = sched[thermo, _COL["iterations"]], sched[thermo, _COL["candidates"]]
                 k = min(int(cands.max()), bank.columns.shape[1])
                 same_k = bool((np.minimum(cands, k) == k).all())  # host-side: per-row counts only when they differ
@@ -475,7 +474,7 @@ class GravityKernel:
                     probs,
                     entropy,
                     a,
-                    None if bank.dense else support,
+                    bank.dense,
                     k,
                     None if same_k else cols.candidates,
                     bank.columns[frow],
@@ -528,7 +527,7 @@ class GravityKernel:
             idx = bank.support[None].expand(logits.shape[0], -1)
             pruned = torch.isneginf(out.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
         if probs is not None:
-            return measure_from_probs(probs, entropy, bank.support, a, lam, pruned=pruned)
+            return measure_from_probs(probs, entropy, None, a, lam, pruned=pruned)
         return measure_on_support(logits, bank.support, a, lam, pruned=pruned)
 
     @staticmethod
