@@ -196,3 +196,14 @@ def test_bad_programs_and_capacity_are_named() -> None:
     kernel = GravityKernel(1)
     with pytest.raises(ConfigurationError, match="2 rows"):
         kernel.add_batch(_programs()[0], torch.zeros(2, 3, dtype=torch.long), budget=4)
+
+
+def test_a_reused_transformers_processor_keeps_one_program_and_one_table() -> None:
+    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
+
+    proc = NarrativeGravityLogitsProcessor(_field(3), strength=1.0)
+    banks = set()
+    for prompt_len in (2, 5, 3):  # three generations (each restarts the processor's rows)
+        proc(torch.zeros(2, prompt_len, dtype=torch.long), torch.zeros(2, V))
+        banks.add(id(proc.kernel._bank[1]))
+    assert len(proc.kernel._programs) == 1 and len(banks) == 1

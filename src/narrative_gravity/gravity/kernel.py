@@ -181,15 +181,21 @@ class GravityKernel:
 
     # -- programs -------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _key(program: Program) -> str:
+        """Equal keys share a slot; a program without a key is shared only with itself (it is held while
+        registered, so its ``id`` cannot be reused meanwhile)."""
+        return program.key or f"object {id(program)}"
+
     def _acquire(self, program: Program) -> int:
-        slot = self._by_key.get(program.key) if program.key else None
+        key = self._key(program)
+        slot = self._by_key.get(key)
         if slot is None:
             slot = self._next_slot
             self._next_slot += 1
             self._programs[slot] = program
             self._refs[slot] = 0
-            if program.key:
-                self._by_key[program.key] = slot
+            self._by_key[key] = slot
             self._version += 1
             self._grow_history(program.history)
             if program.stages is not None:
@@ -206,8 +212,7 @@ class GravityKernel:
                 old, _ = self._idle.popitem(last=False)
                 prog = self._programs.pop(old)
                 self._refs.pop(old)
-                if prog.key:
-                    self._by_key.pop(prog.key, None)
+                self._by_key.pop(self._key(prog), None)
                 self._version += 1
 
     def _grow_history(self, width: int) -> None:
