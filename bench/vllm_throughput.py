@@ -12,9 +12,8 @@ with a fixed seed, so machine noise hits both arms alike. Reported per pair: the
 per second, and per concurrency the ratio gravity/none of the medians and the median of the per-round
 paired ratios.
 
-``--micro`` also times ``apply()`` alone on synthetic logits ``[B, V]`` with half the rows pulled, for the
-two ways of touching only the gravity rows (``index``: gather, pull, scatter back; ``mask``: pull every
-row with strength 0 elsewhere) and with every row pulled (``full``).
+``--micro`` also times the processor's step alone (each row's newest token read and advanced, then
+``apply()``) on synthetic logits ``[B, V]``, with half the rows pulled (``half``) and every row (``full``).
 
 Run (vLLM lives in its own venv: ``bash scripts/setup_vllm.sh``)::
 
@@ -61,9 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", help="vLLM dtype (float32 on CPU; bfloat16 on GPUs)")
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: vLLM's own choice)")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
-    ap.add_argument("--micro", action="store_true", help="also time apply() alone (index vs mask vs full)")
+    ap.add_argument("--micro", action="store_true", help="also time the processor's step alone (half or all rows pulled)")
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[8, 32], help="batch sizes for --micro")
-    ap.add_argument("--micro-calls", type=int, default=50, help="timed apply() calls per strategy and batch")
+    ap.add_argument("--micro-calls", type=int, default=50, help="timed steps per batch size and share")
     ap.add_argument("--micro-device", default="cpu", help="device of the synthetic logits (cpu, cuda)")
     ap.add_argument(
         "--threads",
@@ -145,7 +144,7 @@ def throughput(llm: Any, args: argparse.Namespace, profile: dict[str, Any]) -> d
 
 
 def micro(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
-    """``apply()`` alone on synthetic logits: the processor's cost per decoding step, by strategy."""
+    """The processor's step alone on synthetic logits: its cost per decoding step, half or all rows pulled."""
     from types import SimpleNamespace
 
     import torch
@@ -166,16 +165,15 @@ def micro(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
     prompt = tok(PROMPTS[0])["input_ids"]
     results: dict[str, Any] = {}
     for b in args.micro_batch:
-        for strategy, share in (("index", 0.5), ("mask", 0.5), ("full", 1.0)):
+        for name, share in (("half", 0.5), ("full", 1.0)):
             cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=b))
             proc = NarrativeGravityVLLMLogitsProcessor(cfg, device, False, tokenizer=tok)
-            proc.strategy = "index" if strategy == "full" else strategy
             n_grav = max(1, round(b * share))
-            outs = [list(prompt[-8:]) for _ in range(b)]
+            outs: list[list[int]] = [[] for _ in range(b)]
             added = [
                 (
                     i,
-                    SamplingParams(max_tokens=args.new_tokens, extra_args={"gravity": profile} if i < n_grav else None),
+                    SamplingParams(max_tokens=10**6, extra_args={"gravity": profile} if i < n_grav else None),
                     prompt,
                     outs[i],
                 )
@@ -183,17 +181,19 @@ def micro(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
             ]
             proc.update_state(BatchUpdate(batch_size=b, removed=[], added=added, moved=[]))
             logits = torch.randn(b, v, device=device)
-            for _ in range(3):
-                proc.apply(logits.clone())
+            gen = torch.Generator().manual_seed(0)
             times = []
-            for _ in range(args.micro_calls):
+            for call in range(3 + args.micro_calls):
+                for out in outs:  # each row generated one token since the last step, as in an engine
+                    out.append(int(torch.randint(0, v, (1,), generator=gen)))
                 x = logits.clone()
                 sync()
                 t0 = time.perf_counter()
                 proc.apply(x)
                 sync()
-                times.append(time.perf_counter() - t0)
-            results[f"B={b} {strategy}"] = {"gravity_rows": n_grav, "median_us": 1e6 * statistics.median(times)}
+                if call >= 3:
+                    times.append(time.perf_counter() - t0)
+            results[f"B={b} {name}"] = {"gravity_rows": n_grav, "median_us": 1e6 * statistics.median(times)}
     return results
 
 

@@ -14,7 +14,7 @@ from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
 from .profile import Profile
 from .steer import field_from_profile, processor_from_profile
 
-__all__ = ["ComparisonRow", "compare_runs", "run_compare"]
+__all__ = ["ComparisonRow", "compare_runs", "row_metrics", "run_compare", "summarize", "summarize_metrics"]
 
 METRICS = (
     ("narrative-token rate", "narrative_rate", True),
@@ -36,16 +36,38 @@ class ComparisonRow:
     metrics: dict[str, dict[str, float]]
 
 
-def _metrics(result: GenerationResult, prof: Profile, field: Any, prompt_ids: list[int]) -> dict[str, float]:
-    means = result.trace_means or {}
+def row_metrics(
+    prof: Profile,
+    field: Any,
+    prompt_ids: list[int],
+    token_ids: list[int],
+    text: str,
+    *,
+    seconds: float,
+    means: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One generation's metrics (the keys of ``METRICS``); ``means`` are its trace means, if measured."""
+    means = means or {}
     return {
-        "narrative_rate": narrative_token_rate(field, prompt_ids, result.token_ids),
-        "penalized_hits": float(penalized_hits(result.text, prof.penalized())),
-        "distinct_2": distinct_n([result.text], 2),
+        "narrative_rate": narrative_token_rate(field, prompt_ids, token_ids),
+        "penalized_hits": float(penalized_hits(text, prof.penalized())),
+        "distinct_2": distinct_n([text], 2),
         "entropy": means.get("entropy", float("nan")),
         "kl": means.get("kl", float("nan")),
-        "tokens_per_s": result.new_tokens / result.seconds if result.seconds > 0 else float("nan"),
+        "tokens_per_s": len(token_ids) / seconds if seconds > 0 else float("nan"),
     }
+
+
+def _metrics(result: GenerationResult, prof: Profile, field: Any, prompt_ids: list[int]) -> dict[str, float]:
+    return row_metrics(
+        prof,
+        field,
+        prompt_ids,
+        result.token_ids,
+        result.text,
+        seconds=result.seconds,
+        means=result.trace_means,
+    ) | {"tokens_per_s": result.new_tokens / result.seconds if result.seconds > 0 else float("nan")}
 
 
 def compare_runs(
@@ -101,10 +123,15 @@ def compare_runs(
 
 def summarize(rows: list[ComparisonRow]) -> dict[str, dict[str, Any]]:
     """Per metric: control and gravity means with 95% bootstrap intervals, and the paired difference."""
+    return summarize_metrics([r.metrics for r in rows])
+
+
+def summarize_metrics(pairs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` from each seed's ``{"control": metrics, "gravity": metrics}``."""
     out: dict[str, dict[str, Any]] = {}
     for label, key, higher in METRICS:
-        c = np.array([r.metrics["control"][key] for r in rows], dtype=float)
-        g = np.array([r.metrics["gravity"][key] for r in rows], dtype=float)
+        c = np.array([p["control"][key] for p in pairs], dtype=float)
+        g = np.array([p["gravity"][key] for p in pairs], dtype=float)
         ok = ~(np.isnan(c) | np.isnan(g))
         out[key] = {
             "label": label,

@@ -31,7 +31,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ProfileError
 from .fields.lexical import expand_keywords
 
-__all__ = ["TOPIC_DEFAULTS", "FieldOptions", "Phases", "Profile", "StageSpec", "Thermostat", "load_profile"]
+__all__ = [
+    "TOPIC_DEFAULTS",
+    "FieldOptions",
+    "Phases",
+    "Profile",
+    "StageSpec",
+    "Thermostat",
+    "load_profile",
+    "profile_problems",
+]
 
 # The default topic pull, for a narrative given by nothing but topic words: `ngrav eval --profile auto` starts
 # from it (replacing `core_semantics` by each topic's words), `profiles/topic.yaml` spells it out, and
@@ -297,23 +306,48 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(cur.model_fields)
 
 
-def _explain(exc: ValidationError, source: str) -> str:
-    lines = []
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    out = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in loc) or "(root)"
+        key = ".".join(str(p) for p in loc)
+        shown = key or "(root)"
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(Profile, loc)
             guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
             hint = f"did you mean `{guess[0]}`?" if guess else f"allowed keys are: {', '.join(allowed)}"
-            lines.append(f"unknown key `{key}`; {hint}")
+            out.append((key, f"unknown key `{shown}`; {hint}"))
             continue
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         fix = _FIXES.get(err["type"], "")
         value = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
-        lines.append(f"`{key}`{value}: {msg}" + (f"; {fix}" if fix and fix not in msg else ""))
+        out.append((key, f"`{shown}`{value}: {msg}" + (f"; {fix}" if fix and fix not in msg else "")))
+    return out
+
+
+def profile_problems(data: Any) -> list[tuple[str, str]]:
+    """Every problem of a profile mapping as ``(key path, message)``; empty when it is valid.
+
+    The key path is dotted (``"thermostat.max_strength"``, ``"stages.0.share"``), ``""`` for the whole profile.
+
+    >>> profile_problems({"core_semantics": ["orbit"], "thermostat": {"max_strength": 99}})
+    [('thermostat.max_strength', '`thermostat.max_strength` (got 99): Input should be less than or equal to 50; lower the value')]
+    >>> profile_problems({"core_semantics": ["orbit"]})
+    []
+    """
+    if not isinstance(data, dict):
+        return [("", f"the profile must be a mapping of keys to values, but is {type(data).__name__}")]
+    try:
+        Profile.model_validate(data)
+    except ValidationError as exc:
+        return _problems(exc)
+    return []
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [line for _, line in _problems(exc)]
     head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  - "
     return head + "\n  - ".join(lines)
 

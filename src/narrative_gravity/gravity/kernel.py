@@ -42,12 +42,11 @@ from .schedule import (
     Columns,
     MassProblem,
     off_topic_share,
-    probabilities,
     scheduled_strength,
     thermostat_target,
 )
 from .stages import StagePlan, advance_stages
-from .thermo import Measurement, measure, measure_from_probs, measure_on_support
+from .thermo import Measurement, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
 
 __all__ = ["GravityKernel", "Program", "StepResult"]
@@ -182,15 +181,21 @@ class GravityKernel:
 
     # -- programs -------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _key(program: Program) -> str:
+        """Equal keys share a slot; a program without a key is shared only with itself (it is held while
+        registered, so its ``id`` cannot be reused meanwhile)."""
+        return program.key or f"object {id(program)}"
+
     def _acquire(self, program: Program) -> int:
-        slot = self._by_key.get(program.key) if program.key else None
+        key = self._key(program)
+        slot = self._by_key.get(key)
         if slot is None:
             slot = self._next_slot
             self._next_slot += 1
             self._programs[slot] = program
             self._refs[slot] = 0
-            if program.key:
-                self._by_key[program.key] = slot
+            self._by_key[key] = slot
             self._version += 1
             self._grow_history(program.history)
             if program.stages is not None:
@@ -207,8 +212,7 @@ class GravityKernel:
                 old, _ = self._idle.popitem(last=False)
                 prog = self._programs.pop(old)
                 self._refs.pop(old)
-                if prog.key:
-                    self._by_key.pop(prog.key, None)
+                self._by_key.pop(self._key(prog), None)
                 self._version += 1
 
     def _grow_history(self, width: int) -> None:
@@ -311,6 +315,7 @@ class GravityKernel:
             self.threshold[row] = np.nan
             self.repeat[row] = 1.0
             self.last_stage[row] = 0
+            self.stage[row] = 0  # an empty row reads the zero field row, with no stage on top
             self._dirty = True
 
     def swap(self, a: int, b: int) -> None:
@@ -461,15 +466,23 @@ class GravityKernel:
         elif strength is not None:
             lam = strength(self._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
         else:
-            lam = scheduled_strength(step, budget, cols).to(torch.float32)
             thermo = sched[:, _COL["thermostat"]] > 0
+            lam = None
+            if not thermo.all():
+                lam = scheduled_strength(step, budget, cols).to(torch.float32)
             if thermo.any():
-                probs, entropy = probabilities(logits)
-                k = int(sched[thermo, _COL["candidates"]].max())
-                n_iter = int(sched[thermo, _COL["iterations"]].max())
-                k = min(k, bank.columns.shape[1])
+                probs, entropy = probabilities(logits, None if bank.dense else support)  # [B, S]
+                iters, cands = sched[thermo, _COL["iterations"]], sched[thermo, _COL["candidates"]]
+                k = min(int(cands.max()), bank.columns.shape[1])
+                same_k = bool((np.minimum(cands, k) == k).all())  # host-side: per-row counts only when they differ
                 prob = MassProblem(
-                    probs, entropy, a, None if bank.dense else support, k, cols.candidates, bank.columns[frow]
+                    probs,
+                    entropy,
+                    a,
+                    bank.dense,
+                    k,
+                    None if same_k else cols.candidates,
+                    bank.columns[frow],
                 )
                 ids = recent.clamp(0, vocab - 1)
                 pos = bank.pos_of[ids]
@@ -477,8 +490,10 @@ class GravityKernel:
                 on &= bank.on[frow[:, None], pos.clamp_min(0)]
                 off = off_topic_share(recent, on, step, cols)
                 target = thermostat_target(step, budget, cols, entropy, vocab, off)
-                solved = prob.solve(target, cols.base.float(), n_iter, cols.iterations)
-                lam = torch.where(cols.thermostat > 0, solved, lam)
+                n_iter = int(iters.max())
+                same_iter = bool((iters == n_iter).all())
+                solved = prob.solve(target, cols.base.float(), n_iter, None if same_iter else cols.iterations)
+                lam = solved if lam is None else torch.where(cols.thermostat > 0, solved, lam)
         mask = None
         thr = self.threshold[rows_np]
         if np.isfinite(thr).any():
@@ -517,7 +532,7 @@ class GravityKernel:
             idx = bank.support[None].expand(logits.shape[0], -1)
             pruned = torch.isneginf(out.gather(1, idx)) & torch.isfinite(logits.gather(1, idx))
         if probs is not None:
-            return measure_from_probs(probs, entropy, bank.support, a, lam, pruned=pruned)
+            return measure_from_probs(probs, entropy, None, a, lam, pruned=pruned)
         return measure_on_support(logits, bank.support, a, lam, pruned=pruned)
 
     @staticmethod

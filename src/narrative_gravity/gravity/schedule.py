@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError
+from .thermo import probabilities
 
 __all__ = [
     "COLUMNS",
@@ -190,10 +191,10 @@ class MassProblem:
     candidates is kept at its λ = 0 value, so λ then errs on the strong side).
 
     Args:
-        probs: ``softmax(logits)`` ``[R, V]`` (NaN rows where every logit is ``-inf``).
+        probs: ``softmax(logits)`` on the field's columns, ``[R, S]`` (NaN rows where every logit is ``-inf``).
         entropy: ``[R]``.
-        field: ``[R, S]`` on ``support``, or ``[R, V]`` when ``support`` is ``None``.
-        support: ``[S]`` token ids, or ``None`` for the whole vocabulary.
+        field: ``[R, S]`` (or ``[S]``).
+        complete: the columns are the whole vocabulary (else the probability outside them is a constant).
         candidates: how many columns take part (the most any row asks for).
         row_candidates: optional ``[R]``: each row's own count (``≤ candidates``).
         columns: optional ``[R, candidates]`` positions in ``field`` to use, best first (the kernel picks
@@ -205,14 +206,14 @@ class MassProblem:
         probs: torch.Tensor,
         entropy: torch.Tensor,
         field: torch.Tensor,
-        support: torch.Tensor | None,
+        complete: bool,
         candidates: int,
         row_candidates: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
     ) -> None:
         self.p, self.entropy = probs, entropy
         b = probs.shape[0]
-        p_s = probs if support is None else probs[:, support]
+        p_s = probs
         a = field.to(device=probs.device, dtype=torch.float32).expand(b, -1)
         pos = (a > 0).float()
         mass0 = (p_s * pos).sum(-1)
@@ -229,22 +230,21 @@ class MassProblem:
             if row_candidates is not None:  # rows that asked for fewer candidates drop the rest
                 q = q * (torch.arange(k_max, device=a.device)[None] < row_candidates.to(a.device)[:, None])
             a_c, pos_c = a.gather(1, idx), pos.gather(1, idx)
-        if k_max >= width and support is None and columns is None:  # every token takes part
-            self.out_pos = self.out_all = None
-        else:  # the probability outside the candidates is a constant of the solver
-            self.out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
-            self.out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
-        self.q = torch.stack([q * pos_c, q], dim=-1)  # [R, K, 2]: numerator and denominator weights
+        if not (k_max >= width and complete and columns is None):
+            # the probability outside the candidates is a constant of the solver: one more column with a = 0
+            out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
+            out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
+            q = torch.cat([q, out_all[:, None]], dim=1)
+            pos_c = torch.cat([pos_c, (out_pos / out_all.clamp_min(1e-30))[:, None]], dim=1)
+            a_c = torch.cat([a_c, torch.zeros_like(a_c[:, :1])], dim=1)
+        self.q = torch.stack([q * pos_c, q], dim=1)  # [R, 2, K]: numerator and denominator weights
         self.a = a_c
 
     def mass(self, lam: torch.Tensor) -> torch.Tensor:
         """``m(λ)`` for one λ per row (``[R]``); 0 for rows without a finite logit."""
         w = torch.exp(lam[:, None] * self.a)  # [R, K]
-        s = torch.bmm(w.unsqueeze(1), self.q).squeeze(1)  # [R, 2]
-        num, den = s[:, 0], s[:, 1]
-        if self.out_pos is not None:
-            num, den = num + self.out_pos, den + self.out_all
-        return torch.nan_to_num(num / den, nan=0.0)
+        s = (w.unsqueeze(1) * self.q).sum(-1)  # [R, 2]; an elementwise product beats bmm at this shape on CPUs
+        return (s[:, 0] / s[:, 1].clamp_min(1e-30)).clamp_max(1.0)
 
     def solve(
         self,
@@ -275,13 +275,6 @@ class MassProblem:
                 lo = torch.where(reached, lo, mid)
         done = (self.mass0 >= target) | ~self.alive
         return torch.where(done, torch.zeros_like(hi), hi)
-
-
-def probabilities(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(softmax, entropy)`` of ``logits [R, V]`` from one ``log_softmax``; ``0·log 0`` counts as 0."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    return p, -(p * logp).nansum(dim=-1)
 
 
 def _check_iterations(iterations: int) -> int:
@@ -346,7 +339,7 @@ def solve_strength(
     _check_candidates(candidates)
     b, device = logits.shape[0], logits.device
     p, entropy = probabilities(logits)
-    prob = MassProblem(p, entropy, field, None, candidates)
+    prob = MassProblem(p, entropy, field, True, candidates)
     target_t = torch.as_tensor(target, dtype=torch.float32, device=device).expand(b)
     hi = torch.as_tensor(max_strength, dtype=torch.float32, device=device).expand(b)
     return prob.solve(target_t, hi, iterations)
@@ -723,7 +716,7 @@ class ThermostatController(ScheduleController):
                 "NarrativeGravityLogitsProcessor (which passes them), or pass them yourself"
             )
         p, entropy = probabilities(ctx.logits)
-        return MassProblem(p, entropy, ctx.field, None, self.candidates)
+        return MassProblem(p, entropy, ctx.field, True, self.candidates)
 
     def _target(self, ctx: StepContext, prob: MassProblem) -> torch.Tensor:
         cols, step, budget = self._columns(ctx)

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Measurement", "Trace", "measure", "measure_from_probs", "measure_on_support", "narrative_mass"]
+__all__ = [
+    "Measurement",
+    "Trace",
+    "measure",
+    "measure_from_probs",
+    "measure_on_support",
+    "narrative_mass",
+    "probabilities",
+]
 
 METRICS = ("entropy", "mass", "mass_after", "kl", "strength")
 
@@ -93,6 +101,26 @@ def measure(
     return _measurement(entropy, mass, mass_after, kl, lam, logits.shape[0])
 
 
+def probabilities(logits: torch.Tensor, support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax, entropy)`` of ``logits [R, V]``, the softmax on ``support`` only when it is given (``[R, S]``).
+
+    ``H = log Z − Σ e·(l − max) / Z`` with ``e = exp(l − max)``: one ``exp`` over the vocabulary, and no
+    division of all of it. ``0·log 0`` counts as 0; a row that is all ``-inf`` gives NaN probabilities and
+    entropy 0.
+
+    >>> p, h = probabilities(torch.zeros(1, 4), torch.tensor([0, 2]))
+    >>> p.tolist(), round(float(h[0]), 4)  # uniform: log 4
+    ([[0.25, 0.25]], 1.3863)
+    """
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    e = shifted.exp()
+    z = e.sum(dim=-1, keepdim=True)
+    entropy = torch.log(z[:, 0]) - (e * shifted).nansum(dim=-1) / z[:, 0]
+    p = (e if support is None else e[:, support]) / z
+    return p, torch.nan_to_num(entropy, nan=0.0).clamp_min(0.0)
+
+
 def measure_on_support(
     logits: torch.Tensor,
     support: torch.Tensor,
@@ -112,28 +140,28 @@ def measure_on_support(
     >>> bool(torch.allclose(dense.stack(), sparse.stack(), atol=1e-5))
     True
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    return measure_from_probs(p, -(p * logp).nansum(-1), support, field, strength, pruned=pruned)
+    p_s, entropy = probabilities(logits, support)
+    return measure_from_probs(p_s, entropy, None, field, strength, pruned=pruned)
 
 
 def measure_from_probs(
     probs: torch.Tensor,
     entropy: torch.Tensor,
-    support: torch.Tensor,
+    support: torch.Tensor | None,
     field: torch.Tensor,
     strength: torch.Tensor,
     pruned: torch.Tensor | None = None,
 ) -> Measurement:
-    """:func:`measure_on_support` from the model's probabilities ``[B, V]`` and entropy ``[B]``, already computed.
+    """:func:`measure_on_support` from the model's probabilities ``[B, V]`` and entropy ``[B]``, already computed
+    (``support=None``: ``probs`` are already the support's, ``[B, S]``).
 
-    A controller that read the distribution (the thermostat) hands its ``softmax`` over, so a step with the
-    thermometer on needs no second pass over the vocabulary.
+    The thermostat hands its ``softmax`` over, so a step with the thermometer on needs no second pass over the
+    vocabulary.
     """
     p = probs
     lam = _row_strength(strength)
     b = p.shape[0]
-    p_s = p.gather(1, support[None].expand(b, -1))
+    p_s = p if support is None else p.gather(1, support[None].expand(b, -1))
     a_s = field.float()
     on = (a_s > 0).to(p.dtype)
     mass = (p_s * on).sum(-1)

@@ -8,6 +8,14 @@ Routes (all but ``/health`` need ``Authorization: Bearer KEY`` when the server h
 - ``GET /v1/profiles``; ``GET|PUT /v1/profiles/{name}``; ``GET /v1/profiles/{name}/history``;
   ``GET /v1/profiles/{name}/diff?from=A&to=B``; ``POST /v1/profiles/{name}/rollback`` with ``{"to": N}``.
 - ``GET /metrics`` (Prometheus text) and ``GET /health``.
+- The playground: the page at ``GET /`` (open, like its files under ``/playground/``) and the routes it adds for
+  scripts too, ``GET /v1/playground``, ``POST /v1/validate``, ``POST /v1/score`` (see
+  :mod:`~narrative_gravity.server.playground`).
+
+With ``"stream_options": {"include_trace": true}`` every streamed chunk's choice lists the tokens it carries,
+``"tokens": [{"id", "strength", "entropy", "mass", "mass_after", "kl"}, ...]`` (λ and the step's measurements;
+only ``id`` where the engine does not measure, or the request has no ``gravity``; ``"measure_only": true`` in
+``gravity`` measures a plain run).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``; unexpected failures answer a generic ``500``
 and are logged with their traceback, never returned.
@@ -52,6 +60,7 @@ from .detok import ChoiceText
 from .gravity import GravityResolver, public_message
 from .limits import check_gravity, check_profile
 from .metrics import CONTENT_TYPE, Metrics
+from .playground import add_playground
 from .protocol import (
     APIError,
     ChatRequest,
@@ -69,7 +78,8 @@ __all__ = ["create_app", "serve", "uvicorn_config"]
 
 log = logging.getLogger("narrative_gravity.server")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIX = "/playground/"  # the page's static files; everything they call needs the key
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -99,7 +109,8 @@ class _GuardMiddleware:
             return
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         error = None
-        if self.key is not None and scope.get("path") not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if self.key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             error = self._auth_error(headers.get(b"authorization"))
         if error is None and b"content-length" in headers:
             try:
@@ -199,6 +210,9 @@ class _Reader:
         self.stats: dict[int, RowStats] = {}
         self.started = started
         self.first_token_at: float | None = None
+        self.trace = params.include_trace
+        self._tokens: list[list[dict[str, Any]]] = [[] for _ in job.rows]  # not yet sent, per choice
+        self._step: dict[int, dict[str, float]] = {}
 
     async def events(self, *, wait_for_stats: bool) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(choice index, new text, finish reason or None)``; ends when every choice is finished (and, with
@@ -208,9 +222,15 @@ class _Reader:
         while open_ or (wait_for_stats and ended < n):
             index, kind, payload = await self.job.events.get()
             text = self.texts[index]
+            if kind == "stats":
+                self._step[index] = payload
+                continue
             if kind == "token":
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
+                step = self._step.pop(index, None)
+                if self.trace and text.finish_reason is None:
+                    self._tokens[index].append({"id": payload, **(step or {})})
                 delta = text.push(payload)
             elif kind == "end":
                 ended += 1
@@ -224,6 +244,13 @@ class _Reader:
                 yield index, delta, text.finish_reason
             elif delta:
                 yield index, delta, None
+
+    def take_tokens(self, index: int) -> list[dict[str, Any]] | None:
+        """The token records of choice ``index`` since the last call (``None`` unless the request asked)."""
+        if not self.trace:
+            return None
+        out, self._tokens[index] = self._tokens[index], []
+        return out
 
     @property
     def completion_tokens(self) -> int:
@@ -476,6 +503,7 @@ def create_app(
                     max_tokens=params.max_tokens,
                     sampling=Sampling(params.temperature, params.top_p, params.top_k, (seed + len(job.rows)) % 2**63),
                     gravity=gravity,
+                    trace=params.include_trace,
                 )
         scheduler.submit(job.rows)
         reader = _Reader(job, backend, params, started)
@@ -649,6 +677,12 @@ def create_app(
         version = await store_call(lambda: store.rollback(name, to), name, to)
         return {"name": name, "version": version, "restored": to}
 
+    async def read_json(request: Request) -> Any:
+        return parse_json(await _read_body(request, config.max_body_bytes))
+
+    add_playground(
+        app, backend=backend, config=config, read_json=read_json, resolve_gravity=resolve_gravity, encode=encode
+    )
     return app
 
 
@@ -705,7 +739,15 @@ class _Context:
             body["gravity"] = gravity
         return body
 
-    def chunk(self, index: int, text: str | None, finish: str | None, *, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        *,
+        first: bool = False,
+        tokens: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -714,6 +756,8 @@ class _Context:
         else:
             choice = {"index": index, "text": text or ""}
         choice.update({"logprobs": None, "finish_reason": finish})
+        if tokens is not None:
+            choice["tokens"] = tokens
         out = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -735,7 +779,8 @@ async def _stream(
                 yield f"data: {_dumps(ctx.chunk(i, None, None, first=True))}\n\n"
         first = not ctx.chat
         async for index, text, finish in reader.events(wait_for_stats=False):
-            yield f"data: {_dumps(ctx.chunk(index, text, finish, first=first))}\n\n"
+            chunk = ctx.chunk(index, text, finish, first=first, tokens=reader.take_tokens(index))
+            yield f"data: {_dumps(chunk)}\n\n"
             first = False
         if params.include_usage:
             usage = {

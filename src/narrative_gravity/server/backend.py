@@ -33,10 +33,12 @@ __all__ = [
     "ResolvedGravity",
     "RowStats",
     "Sampling",
+    "TokenStats",
     "TokenizerText",
 ]
 
 ENGINES = ("hf", "vllm")
+MEASURE_ONLY_SUFFIX = ":measure_only"
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Sampling:
 class ResolvedGravity:
     """A request's gravity after resolution: the profile, where it came from, and a key that groups equal ones.
 
-    ``label`` names it in metrics: the store name for named profiles, ``"inline"`` for inline mappings.
+    ``label`` names it in metrics: the store name for named profiles, ``"inline"`` for inline mappings, with
+    ``":measure_only"`` added for a profile that is measured but does not pull (``measure_only``).
     """
 
     profile: Profile
@@ -65,11 +68,14 @@ class ResolvedGravity:
     key: str
     name: str | None = None
     version: int | None = None
+    measure_only: bool = False
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"profile": self.label}
+        out: dict[str, Any] = {"profile": self.label.removesuffix(MEASURE_ONLY_SUFFIX)}
         if self.version is not None:
             out["version"] = self.version
+        if self.measure_only:
+            out["measure_only"] = True
         return out
 
 
@@ -82,6 +88,7 @@ class RowStats:
     narrative_mass_before: float | None = None
     kl: float | None = None
     strength: float | None = None
+    entropy: float | None = None
 
     def gravity_json(self) -> dict[str, float]:
         if self.narrative_mass is None:
@@ -95,7 +102,10 @@ class RowStats:
 
 
 class GenerationRow(Protocol):
-    """One sequence of a batch, as a backend sees it. ``cancelled`` may turn true while the batch runs."""
+    """One sequence of a batch, as a backend sees it. ``cancelled`` may turn true while the batch runs.
+
+    ``trace`` (read with ``getattr(row, "trace", False)``): the request asked for per-token stats.
+    """
 
     prompt_ids: list[int]
     max_tokens: int
@@ -104,9 +114,17 @@ class GenerationRow(Protocol):
     cancelled: bool
 
 
-TokenCallback = Callable[[list[int | None]], None]
+TokenCallback = Callable[..., None]
 """Called from the generating thread once per decoding step with one new token id per row, in row order;
-``None`` for a row that produced no token in that step (an engine that schedules rows unevenly, like vLLM)."""
+``None`` for a row that produced no token in that step (an engine that schedules rows unevenly, like vLLM).
+
+A backend that measures each step may pass a second argument: one :data:`TokenStats` (or ``None``) per row,
+in the same order. It should do so only for rows whose ``trace`` is true (a request that asked for per-token
+stats); the stats are optional, and a backend without them calls ``on_tokens(tokens)`` alone."""
+
+TokenStats = dict[str, float]
+"""One step of one row, as measured by :mod:`narrative_gravity.gravity.thermo`: ``strength`` (λ), ``entropy``,
+``mass``, ``mass_after`` and ``kl``."""
 
 
 @runtime_checkable

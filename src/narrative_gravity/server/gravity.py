@@ -6,6 +6,11 @@ reads the profile's head with :meth:`~narrative_gravity.store.ProfileStore.head_
 so a new version set with ``ngrav profile set`` or ``PUT /v1/profiles/NAME`` is used by the next request,
 with no restart. Snapshots are read once per version and kept in a small LRU cache.
 
+Either form may add ``"measure_only": true``: the text is generated without any pull (as with no ``gravity``),
+while the profile's field is still measured, so a plain run reports the same entropy and narrative mass as a
+steered one (what ``ngrav compare`` calls the control). The profile is turned into one whose λ is always 0,
+so every engine runs it the same way.
+
 >>> import tempfile
 >>> from narrative_gravity.store import ProfileStore
 >>> tmp = tempfile.TemporaryDirectory()
@@ -19,6 +24,9 @@ with no restart. Snapshots are read once per version and kept in a small LRU cac
 2
 >>> resolver.resolve({"profile": "space"}).profile.gravity_strength
 3.0
+>>> plain = resolver.resolve({"profile": "space", "measure_only": True})
+>>> plain.profile.gravity_strength, plain.profile.schedule, plain.describe()
+(0.0, 'constant', {'profile': 'space', 'version': 2, 'measure_only': True})
 >>> resolver.resolve({"profile": "spcae"})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
@@ -32,17 +40,33 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from ..errors import ProfileError, StoreError
 from ..profile import Profile
 from ..store import ProfileStore, StoreDamagedError
-from .backend import ResolvedGravity
+from .backend import MEASURE_ONLY_SUFFIX, ResolvedGravity
 from .protocol import APIError
 
-__all__ = ["GravityResolver", "public_message"]
+__all__ = ["GravityResolver", "measuring_profile", "public_message"]
 
-_REFERENCE_KEYS = {"profile", "version"}
+_REFERENCE_KEYS = {"profile", "version", "measure_only"}
+
+
+def measuring_profile(profile: Profile) -> Profile:
+    """``profile`` with no pull: λ is 0 at every step, nothing is pruned, and stages give way to the base field
+    (what ``measure_only`` measures against in :func:`~narrative_gravity.steer.processor_from_profile`)."""
+    return profile.model_copy(
+        update={
+            "gravity_strength": 0.0,
+            "schedule": "constant",
+            "decay_after_steps": None,
+            "prune_threshold": None,
+            "stages": None,
+        }
+    )
+
 
 log = logging.getLogger("narrative_gravity.server")
 
@@ -72,21 +96,34 @@ class GravityResolver:
                 '{"core_semantics": ["orbit", "planet"]}, or {"profile": "NAME"} from the store',
                 param="gravity",
             )
+        measure_only = spec.get("measure_only", False)
+        if not isinstance(measure_only, bool):
+            raise APIError(
+                400,
+                f"`gravity.measure_only` must be true or false, but is {measure_only!r}",
+                param="gravity.measure_only",
+            )
         if "profile" in spec:
-            return self._named(spec)
-        try:
-            profile = Profile.from_mapping(spec, source="gravity")
-        except ProfileError as exc:
-            raise APIError(400, str(exc), param="gravity", code="invalid_profile") from None
-        key = json.dumps(profile.model_dump(mode="json"), sort_keys=True)
-        return ResolvedGravity(profile=profile, label="inline", key=key)
+            resolved = self._named(spec)
+        else:
+            inline = {k: v for k, v in spec.items() if k != "measure_only"}
+            try:
+                profile = Profile.from_mapping(inline, source="gravity")
+            except ProfileError as exc:
+                raise APIError(400, str(exc), param="gravity", code="invalid_profile") from None
+            resolved = ResolvedGravity(profile=profile, label="inline", key=_key(profile))
+        if not measure_only:
+            return resolved
+        profile = measuring_profile(resolved.profile)
+        label = resolved.label + MEASURE_ONLY_SUFFIX
+        return replace(resolved, profile=profile, key=_key(profile), label=label, measure_only=True)
 
     def _named(self, spec: dict[str, Any]) -> ResolvedGravity:
         extra = set(spec) - _REFERENCE_KEYS
         if extra:
             raise APIError(
                 400,
-                f"`gravity` names a stored profile, so it takes only `profile` and `version`, but also has "
+                f"`gravity` names a stored profile, so it takes only `profile`, `version` and `measure_only`, but also has "
                 f"{sorted(extra)}; put inline settings in a profile of their own",
                 param="gravity",
             )
@@ -128,8 +165,7 @@ class GravityResolver:
                 param="gravity.profile",
                 code="store_error",
             ) from None
-        key = json.dumps(profile.model_dump(mode="json"), sort_keys=True)
-        return ResolvedGravity(profile=profile, label=name, key=key, name=name, version=version)
+        return ResolvedGravity(profile=profile, label=name, key=_key(profile), name=name, version=version)
 
     def _load(self, name: str, version: int) -> Profile:
         with self._lock:
@@ -143,3 +179,8 @@ class GravityResolver:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return profile
+
+
+def _key(profile: Profile) -> str:
+    """Equal profiles share a key (and a batch group)."""
+    return json.dumps(profile.model_dump(mode="json"), sort_keys=True)

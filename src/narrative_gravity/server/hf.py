@@ -11,7 +11,9 @@ A batch may mix profiles, token budgets and sampling settings, and still runs as
   request's sample therefore does not depend on which other requests share its batch.
 - :class:`RowStoppingCriteria` stops each row at its own budget, or once the server cancels it (client gone,
   stop string seen).
-- :class:`StepStreamer` hands every step's new token ids to the scheduler.
+- :class:`StepStreamer` hands every step's new token ids to the scheduler, and, for rows that asked for them
+  (``row.trace``), each step's λ, entropy, narrative mass before and after the pull and KL, read from a
+  :class:`StreamedTrace` (one small host copy per step, only while such a row runs).
 
 >>> import torch
 >>> sampler = RowSamplerLogitsProcessor([Sampling(temperature=0.0), Sampling(temperature=1.0, seed=1)])
@@ -26,7 +28,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +38,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..errors import ConfigurationError
 from ..generation import eos_token_ids, left_pad
-from ..gravity.thermo import Trace
+from ..gravity.thermo import METRICS, Measurement, Trace
 from ..profile import Profile
 from ..steer import field_from_profile, processor_from_profile
-from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText
+from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText, TokenStats
 
 __all__ = [
     "GroupedGravityLogitsProcessor",
@@ -46,6 +49,7 @@ __all__ = [
     "RowSamplerLogitsProcessor",
     "RowStoppingCriteria",
     "StepStreamer",
+    "StreamedTrace",
 ]
 
 log = logging.getLogger("narrative_gravity.server")
@@ -141,18 +145,48 @@ class RowStoppingCriteria(StoppingCriteria):
         return done
 
 
-class StepStreamer(BaseStreamer):
-    """A ``generate`` streamer that passes each step's new token ids (one per row) to ``on_tokens``."""
+@dataclass
+class StreamedTrace(Trace):
+    """A :class:`~narrative_gravity.gravity.thermo.Trace` that also keeps its latest step (``[rows, 5]``) for streaming.
 
-    def __init__(self, on_tokens: TokenCallback) -> None:
+    >>> from narrative_gravity.gravity.thermo import measure
+    >>> t = StreamedTrace()
+    >>> t.record(measure(torch.zeros(1, 3), torch.tensor([1.0, 0, 0]), torch.tensor([2.0])))
+    >>> len(t), t.latest.shape
+    (1, torch.Size([1, 5]))
+    """
+
+    latest: torch.Tensor | None = None
+
+    def record(self, m: Measurement) -> None:
+        super().record(m)
+        self.latest = m.stack().detach()
+
+    def reset(self) -> None:
+        super().reset()
+        self.latest = None
+
+
+class StepStreamer(BaseStreamer):
+    """A ``generate`` streamer that passes each step's new token ids (one per row) to ``on_tokens``.
+
+    With ``stats``, each call also passes what ``stats()`` returns: one :data:`TokenStats` or ``None`` per row.
+    """
+
+    def __init__(self, on_tokens: TokenCallback, stats: Callable[[], list[TokenStats | None]] | None = None) -> None:
         self.on_tokens = on_tokens
+        self.stats = stats
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # generate first puts the prompt ids
             self._prompt_seen = True
             return
-        self.on_tokens(value.reshape(-1).tolist())
+        tokens = value.reshape(-1).tolist()
+        if self.stats is None:
+            self.on_tokens(tokens)
+        else:
+            self.on_tokens(tokens, self.stats())
 
     def end(self) -> None:
         pass
@@ -162,6 +196,7 @@ class HFBackend(TokenizerText):
     """The embedded transformers engine on one model (see the module doc for how a batch is run)."""
 
     name = "hf"
+    token_stats = True  # streams per-token λ, entropy, mass and KL for rows that ask (see StepStreamer)
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context: int | None = None) -> None:
         if not model_id:
@@ -208,10 +243,10 @@ class HFBackend(TokenizerText):
         for i, row in enumerate(rows):
             if row.gravity is not None:
                 groups.setdefault((row.gravity.key, row.max_tokens), []).append(i)
-        traced: list[tuple[list[int], Trace]] = []
+        traced: list[tuple[list[int], StreamedTrace]] = []
         pairs = []
         for (_, budget), members in groups.items():
-            trace = Trace()
+            trace = StreamedTrace()
             processor = processor_from_profile(
                 rows[members[0]].gravity.profile,
                 self.tokenizer,
@@ -234,7 +269,7 @@ class HFBackend(TokenizerText):
                 attention_mask=mask.to(self.device),
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([stops]),
-                streamer=StepStreamer(on_tokens),
+                streamer=StepStreamer(on_tokens, self._step_stats(rows, traced)),
                 max_new_tokens=max(r.max_tokens for r in rows),
                 do_sample=False,
                 top_k=None,
@@ -256,8 +291,33 @@ class HFBackend(TokenizerText):
                     narrative_mass_before=means["mass"],
                     kl=means["kl"],
                     strength=means["strength"],
+                    entropy=means["entropy"],
                 )
         return stats
+
+    @staticmethod
+    def _step_stats(
+        rows: Sequence[GenerationRow], traced: list[tuple[list[int], StreamedTrace]]
+    ) -> Callable[[], list[TokenStats | None]] | None:
+        """Reads each step's measurements for the rows that asked for them; ``None`` when no row did."""
+        wanted = [
+            (members, trace) for members, trace in traced if any(getattr(rows[i], "trace", False) for i in members)
+        ]
+        if not wanted:
+            return None
+
+        def read() -> list[TokenStats | None]:
+            out: list[TokenStats | None] = [None] * len(rows)
+            for members, trace in wanted:
+                if trace.latest is None:
+                    continue
+                values = trace.latest.float().cpu().tolist()
+                for j, i in enumerate(members):
+                    if getattr(rows[i], "trace", False) and j < len(values):
+                        out[i] = {name: round(v, 5) for name, v in zip(METRICS, values[j])}
+            return out
+
+        return read
 
     def _length(self, row: list[int], budget: int, stopped_at: int) -> int:
         n = min(len(row), budget, stopped_at or len(row))

@@ -258,6 +258,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    include_trace: bool = False  # stream_options.include_trace: each chunk lists its tokens (ids and stats)
 
 
 def generation_params(req: _Request, *, default_max_tokens: int, max_tokens_limit: int) -> GenerationParams:
@@ -294,14 +295,16 @@ def generation_params(req: _Request, *, default_max_tokens: int, max_tokens_limi
     if req.stream_options is not None:
         if not req.stream:
             raise APIError(400, "`stream_options` is only allowed with `stream: true`", param="stream_options")
-        unknown = set(req.stream_options) - {"include_usage"}
+        unknown = set(req.stream_options) - {"include_usage", "include_trace"}
         if unknown:
             raise APIError(
                 400,
-                f"unknown `stream_options` keys {sorted(unknown)}; only `include_usage` is supported",
+                f"unknown `stream_options` keys {sorted(unknown)}; only `include_usage` and `include_trace` are "
+                "supported",
                 param="stream_options",
             )
         include_usage = bool(req.stream_options.get("include_usage"))
+    include_trace = bool(req.stream_options and req.stream_options.get("include_trace"))
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
     if not (math.isfinite(temperature) and math.isfinite(top_p)):  # pragma: no cover - pydantic refuses them
@@ -316,6 +319,7 @@ def generation_params(req: _Request, *, default_max_tokens: int, max_tokens_limi
         stop=stop,
         stream=bool(req.stream),
         include_usage=include_usage,
+        include_trace=include_trace,
     )
 
 

@@ -12,7 +12,9 @@ the next one; a full queue answers ``429``.
 
 Tokens travel back through the backend's per-step callback: the worker thread calls
 ``loop.call_soon_threadsafe`` once per step, which puts ``(index, "token", id)`` on each request's
-:class:`asyncio.Queue`. When the batch ends every row gets ``(index, "end", RowStats)``.
+:class:`asyncio.Queue`; a backend that measures each step (for rows with ``trace``) puts
+``(index, "stats", TokenStats)`` just before that token. When the batch ends every row gets
+``(index, "end", RowStats)``.
 
 One row never fails the others: when a batch raises, each of its rows is run again on its own, so only the row
 that fails by itself gets ``(index, "error", exc)``. A row that had already streamed tokens must regenerate the
@@ -37,7 +39,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backend import Backend, ContinuousBackend, GenerationRow, ResolvedGravity, RowStats, Sampling
+from .backend import (
+    Backend,
+    ContinuousBackend,
+    GenerationRow,
+    ResolvedGravity,
+    RowStats,
+    Sampling,
+    TokenStats,
+)
 from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import APIError
@@ -61,6 +71,7 @@ class Row:
     arrived: float = field(default_factory=time.monotonic)
     sent: list[int] = field(default_factory=list)
     """Token ids already delivered (the replay check of a rerun compares against them)."""
+    trace: bool = False  # the request asked for per-token stats
 
 
 class Job:
@@ -246,10 +257,11 @@ class BatchScheduler:
         loop = self._loop
         assert loop is not None and self._executor is not None
 
-        def on_tokens(tokens: list[int | None]) -> None:  # runs in the worker thread
+        def on_tokens(tokens: list[int | None], stats: list[TokenStats | None] | None = None) -> None:
+            # runs in the worker thread
             if replay is not None:
                 tokens = replay.filter(tokens)
-            loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens)
+            loop.call_soon_threadsafe(self._deliver_tokens, rows, tokens, stats)
 
         t0 = time.perf_counter()
         try:
@@ -264,10 +276,12 @@ class BatchScheduler:
             row.job.deliver(row.index, "end", s)
 
     @staticmethod
-    def _deliver_tokens(rows: list[Row], tokens: list[int | None]) -> None:
-        for row, token in zip(rows, tokens):
+    def _deliver_tokens(rows: list[Row], tokens: list[int | None], stats: list[TokenStats | None] | None) -> None:
+        for i, (row, token) in enumerate(zip(rows, tokens)):
             if token is not None and not row.cancelled:
                 row.sent.append(token)
+                if stats is not None and stats[i] is not None:
+                    row.job.deliver(row.index, "stats", stats[i])
                 row.job.deliver(row.index, "token", token)
 
 
