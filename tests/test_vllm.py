@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -637,3 +639,14 @@ def test_cli_eval_on_vllm_reports_the_gravity_arms_trace(generator: Any, tmp_pat
     assert summary["settings"]["engine"] == "vllm" and summary["n_traces"] == {"control": 0, "strong": 2}
     assert summary["per_arm"]["strong"]["metrics"]["mean_strength"]["value"] == pytest.approx(6.0)
     assert (out / "report.md").exists()
+
+
+def test_the_cli_does_not_import_vllm_until_the_engine_is_chosen() -> None:
+    """vLLM is heavy: `ngrav --help` never imports it, even where it is installed."""
+    code = (
+        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli import app; "
+        "[CliRunner().invoke(app, [c, '--help']) for c in ('generate', 'eval')]; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
