@@ -43,7 +43,7 @@ from narrative_gravity.engines.vllm import (
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.generation import vllm_engine
+from narrative_gravity.generation import SamplingOptions, vllm_engine
 from narrative_gravity.profile import TOPIC_DEFAULTS, Profile
 from narrative_gravity.steer import field_from_profile, processor_from_profile
 
@@ -650,3 +650,21 @@ def test_the_cli_does_not_import_vllm_until_the_engine_is_chosen() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -> None:
+    """Traces are matched to requests by their outputs; a pull that decides every token makes different
+    prompts write the same tokens, and each still gets its own trace (the one it has alone)."""
+    heavy = Profile.from_mapping({"core_semantics": ["ocean"], "gravity_strength": 20.0, "schedule": "constant"})
+    options = SamplingOptions(max_new_tokens=4, temperature=0)
+    ids = [generator.tokenizer(p)["input_ids"] for p in ("The planet", "A planet")]
+    both = generator.generate([*ids, ids[0]], options, heavy, record_trace=True)
+    assert both[0].token_ids == both[1].token_ids == both[2].token_ids, [o.token_ids for o in both]
+    assert both[0].trace["mass"] != both[1].trace["mass"]  # the prompts differ, so do their traces
+    assert both[2].trace == both[0].trace  # the same prompt twice: the same trace
+    for i in (0, 1):
+        alone = generator.generate([ids[i]], options, heavy, record_trace=True)[0]
+        for key, values in alone.trace.items():
+            assert both[i].trace[key] == pytest.approx(values, abs=1e-4), (i, key)
