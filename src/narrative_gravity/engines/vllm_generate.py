@@ -1,0 +1,356 @@
+"""Generation on an in-process vLLM engine: what ``ngrav generate --engine vllm`` and ``ngrav eval --engine vllm`` run.
+
+:class:`VLLMGenerator` holds one ``vllm.LLM`` with
+:class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor` and the model's Hugging Face
+tokenizer. Prompts are encoded by the caller exactly as for the transformers engine (chat template or raw
+text, :func:`~narrative_gravity.generation.encode_prompts`) and sent as token ids, each request with its
+sampling settings and its profile in ``SamplingParams(extra_args={"gravity": ...})`` (or none, for plain
+decoding). vLLM batches the requests itself.
+
+Traces come from the processor's ``on_step`` hook: while a call records, every gravity step's measurement
+(entropy, narrative mass before and after, KL, λ) is kept per live output list, and each list is matched to
+its request by its tokens when the call ends. Requests without gravity keep no trace. The hook runs in this
+process only, so the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here).
+
+vLLM lives in its own venv (``bash scripts/setup_vllm.sh``). Without it this module still imports (for docs
+and doctests), with :data:`VLLM_IMPORT_ERROR` set; :func:`narrative_gravity.generation.vllm_engine` turns that
+into an error naming the setup. It imports vLLM itself, so it is imported only when the vLLM engine is chosen.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from ..errors import ConfigurationError
+from ..generation import GenerationResult, SamplingOptions, encode_prompts
+from ..gravity.thermo import METRICS
+from ..models import hf_folder
+from ..profile import Profile
+from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
+
+try:  # the optional extra; see the module doc
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    VLLM_IMPORT_ERROR: ImportError | None = None
+except ImportError as _exc:  # pragma: no cover - exercised where vLLM is not installed
+    VLLM_IMPORT_ERROR = _exc
+
+__all__ = ["PROCESSOR", "VLLM_IMPORT_ERROR", "VLLMGenerator", "VLLMOutput", "gravity_args", "release_shared"]
+
+PROCESSOR = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_IDS = itertools.count()
+_LEN_STEP = 512  # max_model_len is rounded up to a multiple of this, so similar runs share one engine
+_SHARED: dict[tuple[Any, ...], VLLMGenerator] = {}
+
+
+def gravity_args(profile: Profile | None) -> dict[str, Any] | None:
+    """The ``extra_args`` that carry ``profile`` to the vLLM processor (``None``: plain decoding).
+
+    >>> gravity_args(Profile.from_mapping({"core_semantics": ["orbit"]}))["gravity"]["core_semantics"]
+    ['orbit']
+    """
+    if profile is None:
+        return None
+    return {GRAVITY_KEY: profile.model_dump(mode="json", exclude_none=True)}
+
+
+@dataclass
+class VLLMOutput:
+    """One request's result. Times are seconds from the call's start; ``trace`` holds one value per
+    generated token for each of :data:`~narrative_gravity.gravity.thermo.METRICS` (``None`` without gravity
+    or without ``record_trace``)."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    ttft: float
+    latency: float
+    trace: dict[str, list[float]] | None = None
+
+    def trace_means(self) -> dict[str, float] | None:
+        """The mean of each trace metric over the generated tokens, as the transformers engine reports it."""
+        if not self.trace:
+            return None
+        return {k: float(np.mean(v)) for k, v in self.trace.items() if v}
+
+
+class _Recorder:
+    """Keeps every gravity step's measurement per live output list (vLLM's per-request token list)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[list[int], dict[int, np.ndarray]]] = {}
+
+    def record(self, proc: Any, logits: torch.Tensor, result: Any) -> None:
+        if result.measurement is None:
+            return
+        live = np.flatnonzero(proc.kernel.prog[: logits.shape[0]] >= 0)
+        values = result.measurement.stack()[torch.from_numpy(live).to(logits.device)].float().cpu().numpy()
+        for k, row in enumerate(live):
+            out = proc._outputs[row]
+            if out is not None:  # the step measured is the one that samples token len(out)
+                self.rows.setdefault(id(out), (out, {}))[1][len(out)] = values[k]
+
+    def traces(self) -> dict[tuple[int, ...], list[dict[str, list[float]]]]:
+        """Each recorded request's trace, keyed by its whole output (the lists are complete by now)."""
+        by_output: dict[tuple[int, ...], list[dict[str, list[float]]]] = {}
+        for out, steps in self.rows.values():
+            table = np.stack([steps[s] for s in sorted(steps)])
+            trace = {name: [round(float(v), 5) for v in table[:, i]] for i, name in enumerate(METRICS)}
+            by_output.setdefault(tuple(out), []).append(trace)
+        return by_output
+
+
+class VLLMGenerator:
+    """An in-process vLLM engine with the gravity processor, and the model's tokenizer (see the module doc).
+
+    Build one with :meth:`load`; ``tokenizer`` is the Hugging Face tokenizer that encodes prompts and
+    decodes outputs, the same one the transformers engine uses.
+    """
+
+    def __init__(self, llm: Any, tokenizer: Any, *, folder: Path) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.folder = folder
+        self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
+        self._embeddings: CheckpointEmbeddings | None = None
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        max_num_seqs: int = 8,
+        longest: int = 2048,
+        kv_cache_mb: int | None = None,
+        reuse: bool = True,
+        tokenizer: Any = None,
+    ) -> VLLMGenerator:
+        """Start an engine on ``model`` (a name, a HF folder or a ``.gguf`` file, as ``--model``).
+
+        ``max_num_seqs`` requests run at once; ``longest`` is the longest prompt plus its token budget (the
+        context is rounded up to a multiple of 512, within the model's own limit). The KV cache is sized to
+        hold every running request at full length, unless ``kv_cache_mb`` says otherwise. With ``reuse``,
+        an engine already started in this process with the same settings is returned (an engine start
+        takes half a minute); an engine with other settings is released first. ``tokenizer`` saves loading
+        the model's tokenizer again.
+        """
+        if max_num_seqs < 1:
+            raise ConfigurationError(f"`max_num_seqs` has to be >= 1, but is {max_num_seqs}")
+        os.environ.setdefault(_MULTIPROCESSING, "0")  # the trace hook runs in this process
+        folder = hf_folder(model)
+        config = AutoConfig.from_pretrained(folder).get_text_config()
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        if limit and longest > limit:
+            raise ConfigurationError(
+                f"the longest prompt plus --max-new-tokens is {longest} tokens, more than the model's context "
+                f"of {limit}; lower --max-new-tokens or shorten the prompt"
+            )
+        max_model_len = _LEN_STEP * math.ceil(max(1, longest) / _LEN_STEP)
+        max_model_len = min(max_model_len, limit) if limit else max_model_len
+        kv_bytes = kv_cache_mb * 2**20 if kv_cache_mb is not None else _kv_bytes(config, max_num_seqs, max_model_len)
+        key = (str(folder), max_num_seqs, max_model_len, kv_bytes)
+        if reuse and key in _SHARED:
+            return _SHARED[key]
+        release_shared()
+        llm = LLM(
+            model=str(folder),
+            dtype="float32",  # as the transformers engine: the same numbers, the same greedy tokens
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_bytes,
+            enforce_eager=True,
+            logits_processors=[PROCESSOR],
+            seed=0,
+        )
+        gen = cls(llm, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(folder), folder=folder)
+        if reuse:
+            _SHARED[key] = gen
+        return gen
+
+    @property
+    def embeddings(self) -> CheckpointEmbeddings:
+        """The model's input embeddings from its checkpoint, for fields with ``semantic_source: lm``."""
+        if self._embeddings is None:
+            self._embeddings = CheckpointEmbeddings.load(self.folder)
+        return self._embeddings
+
+    @staticmethod
+    def sampling_params(options: SamplingOptions, gravity: Mapping[str, Any] | None) -> SamplingParams:
+        """vLLM's settings for ``options`` (``temperature == 0``: greedy) with ``gravity`` as ``extra_args``."""
+        if not options.do_sample:
+            return SamplingParams(temperature=0.0, max_tokens=options.max_new_tokens, extra_args=gravity)
+        return SamplingParams(
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=1.0,
+            seed=options.seed,
+            max_tokens=options.max_new_tokens,
+            extra_args=gravity,
+        )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        options: SamplingOptions,
+        profile: Profile | None = None,
+        *,
+        record_trace: bool = False,
+        on_finish: Callable[[int], None] | None = None,
+    ) -> list[VLLMOutput]:
+        """Continue every token-id prompt with ``options``, each request carrying ``profile`` in its
+        ``extra_args`` (:func:`gravity_args`; ``None``: plain decoding); all are sent at once and vLLM batches
+        them.
+
+        ``record_trace`` fills :attr:`VLLMOutput.trace` for gravity requests. ``on_finish(n)`` is called as
+        requests finish. The outputs keep the order of ``prompt_ids``.
+        """
+        if not prompt_ids:
+            return []
+        if record_trace and profile is not None and os.environ.get(_MULTIPROCESSING, "0") != "0":
+            raise ConfigurationError(
+                f"traces come from the engine running in this process, but {_MULTIPROCESSING}="
+                f"{os.environ[_MULTIPROCESSING]!r}; set {_MULTIPROCESSING}=0 or drop the trace"
+            )
+        params = self.sampling_params(options, gravity_args(profile))
+        recorder = _Recorder() if record_trace and profile is not None else None
+        outputs = self._run(prompt_ids, params, recorder, on_finish)
+        if recorder is not None:
+            self._attach(outputs, recorder, params)
+        return outputs
+
+    def generate_texts(
+        self,
+        prompts: Sequence[str],
+        options: SamplingOptions,
+        profile: Profile | None = None,
+        *,
+        raw: bool = False,
+        record_trace: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """:func:`narrative_gravity.generation.generate` on this engine, for one batch of ``prompts``: the same
+        encoding (chat template, or plain text with ``raw``), the same result fields, ``profile`` on every
+        request (``None``: plain decoding, and no trace). ``seconds`` is each prompt's share of the call."""
+        encoded = encode_prompts(self.tokenizer, prompts, raw=raw)
+        t0 = time.perf_counter()
+        outs = self.generate(encoded, options, profile, record_trace=record_trace, on_finish=progress)
+        elapsed = time.perf_counter() - t0
+        return [
+            GenerationResult(
+                prompt=prompt,
+                text=self.decode(out.token_ids),
+                new_tokens=len(out.token_ids),
+                seconds=elapsed / len(prompts),
+                token_ids=out.token_ids,
+                seed=options.seed,
+                batch_seconds=elapsed,
+                trace=out.trace,
+                trace_means=out.trace_means(),
+            )
+            for prompt, out in zip(prompts, outs, strict=True)
+        ]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of generated tokens, decoded as the transformers engine decodes them."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _run(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        recorder: _Recorder | None,
+        on_finish: Callable[[int], None] | None,
+    ) -> list[VLLMOutput]:
+        engine = self.llm.llm_engine
+        ids = [f"ngrav-{next(_IDS)}" for _ in prompt_ids]
+        index = {rid: i for i, rid in enumerate(ids)}
+        outputs = [VLLMOutput(list(p), [], math.nan, math.nan) for p in prompt_ids]
+        live: set[str] = set()
+        cls = NarrativeGravityVLLMLogitsProcessor
+        previous = cls.__dict__.get("on_step")
+
+        def hook(proc: Any, logits: torch.Tensor, pulled: torch.Tensor, result: Any) -> None:
+            if recorder is not None:
+                recorder.record(proc, logits, result)
+            if previous is not None:
+                previous(proc, logits, pulled, result)
+
+        if recorder is not None:
+            cls.on_step = hook
+        t0 = time.perf_counter()
+        try:
+            for rid, prompt in zip(ids, prompt_ids, strict=True):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), params)
+                live.add(rid)
+            while live and engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    now = time.perf_counter() - t0
+                    outputs[i].token_ids = list(out.outputs[0].token_ids)
+                    if outputs[i].token_ids and math.isnan(outputs[i].ttft):
+                        outputs[i].ttft = now
+                    if out.finished:
+                        outputs[i].latency = now
+                        live.discard(out.request_id)
+                        if on_finish is not None:
+                            on_finish(1)
+        finally:
+            if recorder is not None:
+                cls.on_step = previous
+            if live:  # an interrupt or an error: leave the engine empty for the next call
+                engine.abort_request(list(live))
+        return outputs
+
+    def _attach(self, outputs: list[VLLMOutput], recorder: _Recorder, params: SamplingParams) -> None:
+        """Give each output its trace. Output lists are matched by their tokens; requests whose outputs are
+        equal but whose prompts differ (so their traces may differ) are run again one by one for theirs."""
+        traces = recorder.traces()
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, out in enumerate(outputs):
+            groups.setdefault(tuple(out.token_ids), []).append(i)
+        again: list[int] = []
+        for tokens, rows in groups.items():
+            found = traces.get(tokens, [])
+            if len(rows) == 1 or len({tuple(outputs[i].prompt_ids) for i in rows}) == 1:
+                for i, trace in zip(rows, found):  # equal prompts and outputs: equal traces
+                    outputs[i].trace = trace
+            else:
+                again.extend(rows)
+        for i in again:
+            alone = _Recorder()
+            self._run([outputs[i].prompt_ids], params, alone, None)
+            found = alone.traces().get(tuple(outputs[i].token_ids), [])
+            outputs[i].trace = found[0] if found else None
+
+
+def _kv_bytes(config: Any, max_num_seqs: int, max_model_len: int) -> int:
+    """KV-cache bytes for every running request at full length (float32), with room for block rounding."""
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layers = int(config.num_hidden_layers)
+    per_token = 2 * layers * kv_heads * head_dim * 4
+    return int(per_token * max_model_len * max_num_seqs * 1.25) + 32 * 2**20
+
+
+def release_shared() -> None:
+    """Drop the engine kept for reuse (see :meth:`VLLMGenerator.load`), so its memory can be freed."""
+    _SHARED.clear()
+    gc.collect()
