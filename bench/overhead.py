@@ -3,7 +3,8 @@
 Arms (all greedy, same prompts, same number of generated tokens):
 
 - ``plain``: no processor;
-- ``gravity``: our processor from ``profiles/binary_search.json`` (lexical field, phase schedule), thermometer off;
+- ``gravity``: our processor from ``--profile`` (default ``profiles/binary_search.json``: lexical field, phase
+  schedule; ``profiles/topic.yaml`` is the topic default), thermometer off;
 - ``gravity+thermo``: the same with the thermometer on (``trace=Trace()``);
 - ``article``: the blog-post replica (Python loops, in place);
 - ``seq_bias``: transformers' ``SequenceBiasLogitsProcessor`` with the profile's words (single-token forms after a space).
@@ -87,7 +88,7 @@ def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
         Arm("plain", "no processor", lambda: None),
         Arm(
             "gravity",
-            "ours: lexical field + phase schedule, thermometer off",
+            f"ours: the profile's {profile.field.mode} field, {profile.schedule} schedule; thermometer off",
             lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens),
         ),
         Arm(

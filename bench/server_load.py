@@ -19,6 +19,9 @@ Examples::
     # start `ngrav serve` for the run (and stop it afterwards)
     python bench/server_load.py --spawn --clients 4 --duration 5 --max-tokens 32
 
+    # 5 of the 50 clients send invalid profiles (each must get a 4xx; the valid requests must not fail)
+    python bench/server_load.py --spawn --clients 50 --duration 60 --invalid-clients 5
+
     # the vLLM engine, every request carrying a profile file inline
     python bench/server_load.py --spawn --clients 50 --duration 60 --gravity-file profiles/topic.yaml \
         --server-arg=--engine --server-arg=vllm --server-arg=--max-batch-size --server-arg=64
@@ -67,6 +70,20 @@ class Result:
     ttft: float | None = None
     tokens: int = 0
     error: str | None = None
+    invalid: bool = False  # sent by a client of --invalid-clients
+    status: int | None = None
+
+
+# What the clients of --invalid-clients send, in turn: each must be refused with a 4xx before it reaches the
+# engine, and must not disturb anyone else's request.
+INVALID_GRAVITY: tuple[Any, ...] = (
+    {"core_semantics": ["planet"], "gravity_strenght": 2.0},  # a typo
+    {"core_semantics": ["planet"], "stages": [{"core_semantics": [f"w{i}"]} for i in range(400)]},  # over the cap
+    {"core_semantics": ["planet"], "gravity_strength": "2"},  # a string for a number
+    {"core_semantics": []},  # no words
+    {"core_semantics": ["planet"], "thermostat": {"entropy_low": 0.5, "entropy_high": 0.1}},  # contradictory
+    "planet",  # not a mapping
+)
 
 
 @dataclass
@@ -79,6 +96,9 @@ class Report:
     ok: int
     failures: int
     failure_kinds: dict[str, int] = field(default_factory=dict)
+    invalid_clients: int = 0
+    invalid_requests: int = 0
+    invalid_status: dict[str, int] = field(default_factory=dict)
     latency_p50_s: float | None = None
     latency_p95_s: float | None = None
     ttft_p50_s: float | None = None
@@ -121,7 +141,7 @@ def gravity_of(args: argparse.Namespace) -> dict[str, Any] | None:
     return DEFAULT_GRAVITY
 
 
-def request_body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
+def request_body(args: argparse.Namespace, i: int, invalid: bool = False) -> tuple[str, dict[str, Any]]:
     prompt = PROMPTS[i % len(PROMPTS)]
     body: dict[str, Any] = {
         "model": args.model,
@@ -130,7 +150,7 @@ def request_body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    gravity = gravity_of(args)
+    gravity = INVALID_GRAVITY[i % len(INVALID_GRAVITY)] if invalid else gravity_of(args)
     if gravity is not None:
         body["gravity"] = gravity
     if args.completions:
@@ -153,7 +173,7 @@ async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]
     async with client.stream("POST", path, json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
-            return Result(False, time.perf_counter() - t0, error=f"http {resp.status_code}")
+            return Result(False, time.perf_counter() - t0, error=f"http {resp.status_code}", status=resp.status_code)
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -176,11 +196,16 @@ async def client_loop(
     n: int, args: argparse.Namespace, client: httpx.AsyncClient, deadline: float, out: list[Result]
 ) -> None:
     i = n
+    invalid = n < args.invalid_clients
     await asyncio.sleep(args.ramp * n / args.clients)
     while time.perf_counter() < deadline:
-        path, body = request_body(args, i)
-        out.append(await one_request(client, path, body, args.request_timeout))
+        path, body = request_body(args, i, invalid)
+        result = await one_request(client, path, body, args.request_timeout)
+        result.invalid = invalid
+        out.append(result)
         i += args.clients
+        if invalid:
+            await asyncio.sleep(0.05)  # a refusal is instant: keep the invalid clients from spinning
 
 
 def read_metric(text: str, name: str) -> float | None:
@@ -232,6 +257,12 @@ async def run(args: argparse.Namespace) -> Report:
         wall = time.perf_counter() - t0
         scraped1 = await scrape(client)
         load_after = [round(x, 2) for x in os.getloadavg()]
+    bad = [r for r in results if r.invalid]
+    results = [r for r in results if not r.invalid]
+    invalid_status: dict[str, int] = {}
+    for r in bad:
+        key = str(r.status) if r.status is not None else ("200 (accepted!)" if r.ok else (r.error or "?"))
+        invalid_status[key] = invalid_status.get(key, 0) + 1
     ok = [r for r in results if r.ok]
     kinds: dict[str, int] = {}
     for r in results:
@@ -251,6 +282,9 @@ async def run(args: argparse.Namespace) -> Report:
         ok=len(ok),
         failures=len(results) - len(ok) + len(pending),
         failure_kinds=kinds,
+        invalid_clients=args.invalid_clients,
+        invalid_requests=len(bad),
+        invalid_status=invalid_status,
         latency_p50_s=percentile([r.seconds for r in ok], 0.5),
         latency_p95_s=percentile([r.seconds for r in ok], 0.95),
         ttft_p50_s=percentile([r.ttft for r in ok if r.ttft is not None], 0.5),
@@ -329,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", help="send gravity as {'profile': NAME} from the server's store")
     p.add_argument("--gravity-file", help="send this profile file (YAML or JSON) inline with every request")
     p.add_argument("--no-gravity", action="store_true", help="send no gravity (the control)")
+    p.add_argument(
+        "--invalid-clients",
+        type=int,
+        default=0,
+        help="this many of the clients send invalid profiles (each must get a 4xx); the figures are the others'",
+    )
     p.add_argument("--api-key", default=os.environ.get("NGRAV_API_KEY"), help="default: $NGRAV_API_KEY")
     p.add_argument("--json", help="also write the report to this file")
     p.add_argument("--spawn", action="store_true", help="start `ngrav serve` on a free loopback port for the run")

@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", help="vLLM dtype (float32 on CPU; bfloat16 on GPUs)")
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: vLLM's own choice)")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
-    ap.add_argument("--micro", action="store_true", help="also time the processor's step alone (half or all rows pulled)")
+    ap.add_argument(
+        "--micro", action="store_true", help="also time the processor's step alone (half or all rows pulled)"
+    )
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[8, 32], help="batch sizes for --micro")
     ap.add_argument("--micro-calls", type=int, default=50, help="timed steps per batch size and share")
     ap.add_argument("--micro-device", default="cpu", help="device of the synthetic logits (cpu, cuda)")

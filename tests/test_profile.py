@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +313,17 @@ def test_profile_error_is_value_error() -> None:
 def test_booleans_are_not_read_as_numbers(data: dict[str, Any], key: str) -> None:
     msg = err(data)
     assert f"`{key}`" in msg and "is a boolean" in msg and "write a number" in msg
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"core_semantics": ["x"], "gravity_strength": "2"}, "gravity_strength"),
+        ({"core_semantics": ["x"], "thermostat": {"max_strength": "4"}}, "thermostat.max_strength"),
+        ({"core_semantics": ["x"], "field": {"semantic_top_k": "5"}}, "field.semantic_top_k"),
+        ({"core_semantics": ["x"], "stages": [{"core_semantics": ["y"], "share": "0.5"}]}, "stages.0.share"),
+    ],
+)
+def test_a_number_in_quotes_is_refused_by_key(data: dict, key: str) -> None:
+    with pytest.raises(ProfileError, match=rf"`{re.escape(key)}`.*write it without quotes"):
+        Profile.from_mapping(data)

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ProfileError
 from .fields.lexical import expand_keywords
@@ -60,11 +60,28 @@ class _Strict(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_booleans(cls, v: Any) -> Any:
-        # Lax validation reads `true` as 1; no profile key is a boolean, so a boolean is always a slip.
+    def _no_booleans(cls, v: Any, info: ValidationInfo) -> Any:
+        # Lax validation reads `true` as 1 and "2" as 2; no profile key is a boolean, and a number in quotes is
+        # a slip too (a JSON or YAML profile writes numbers as numbers).
         if isinstance(v, bool):
             raise ValueError(f"{str(v).lower()} is a boolean, but no profile key takes one; write a number")
+        if isinstance(v, str) and info.field_name in _NUMERIC.get(cls.__name__, ()):
+            raise ValueError(f"{v!r} is text, but this key takes a number; write it without quotes")
         return v
+
+
+def _numeric_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The keys of ``model`` whose values are numbers (int or float, optional or not)."""
+    out = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        args = getattr(ann, "__args__", ()) or (ann,)
+        if any(a in (int, float) for a in args):
+            out.append(name)
+    return tuple(out)
+
+
+_NUMERIC: dict[str, tuple[str, ...]] = {}  # filled below, once the models exist
 
 
 def _clean_words(v: list[str]) -> list[str]:
@@ -281,6 +298,8 @@ class Profile(_Strict):
             "decay_half_life": self.decay_half_life,
         }
 
+
+_NUMERIC.update({m.__name__: _numeric_fields(m) for m in (Phases, Thermostat, FieldOptions, StageSpec, Profile)})
 
 _FIXES = {
     "missing": "add it",
