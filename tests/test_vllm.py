@@ -750,6 +750,28 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     assert [ids[0] for ids in steps] == tokens
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_server_streams_each_tokens_stats_when_asked(served: Any) -> None:
+    """``stream_options.include_trace`` on the vLLM engine: every streamed token carries λ, entropy and the masses
+    the kernel measured at its step (the same records as on transformers), and the row ends with their means."""
+    running, _ = served
+    greedy = {"model": "smollm2", "prompt": PROMPTS[4], "max_tokens": 10, "temperature": 0, "stream": True}
+    body = {**greedy, "gravity": TOPIC, "stream_options": {"include_usage": True, "include_trace": True}}
+    with running.http() as http, http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    tokens = [t for e in events for c in e["choices"] for t in c.get("tokens", [])]
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    assert len(tokens) == usage["completion_tokens"] == 10
+    assert all(set(t) == {"id", "strength", "entropy", "mass", "mass_after", "kl"} for t in tokens)
+    assert all(t["mass_after"] >= t["mass"] - 1e-6 and t["kl"] >= 0 for t in tokens)
+    assert any(t["strength"] > 0 for t in tokens)  # the thermostat pulled at some step
+    with running.http() as http:  # the row's means reached the gravity metrics
+        families = _families(http.get("/metrics").text)
+    assert _value(families, "ngrav_gravity_rows", "ngrav_gravity_rows_total") >= 1
+
+
 def test_cli_generate_on_vllm_equals_the_python_api(generator: Any, tmp_path: Any) -> None:
     """Greedy: the texts of `ngrav generate --engine vllm` are those of `LLM.generate` with the profile in
     `SamplingParams(extra_args=...)` (raw text, and the chat template), and each row carries its trace."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ import torch
 
 from ..errors import ProfileError
 from ..gravity.kernel import GravityKernel, Program
+from ..gravity.thermo import METRICS
 from ..profile import Profile
 from ..steer import program_from_profile
 
@@ -61,11 +63,40 @@ try:  # Model Runner V2 (vLLM >= 0.3x): a different interface under the same ent
 except ImportError:  # pragma: no cover - older vLLM or no vLLM
     _V2LogitsProcessor = None
 
-__all__ = ["GRAVITY_KEY", "NarrativeGravityVLLMLogitsProcessor", "profile_from_extra_args"]
+__all__ = [
+    "GRAVITY_KEY",
+    "TRACE_KEY",
+    "NarrativeGravityVLLMLogitsProcessor",
+    "forget_trace",
+    "pop_trace",
+    "profile_from_extra_args",
+]
 
 logger = logging.getLogger(__name__)
 
 GRAVITY_KEY = "gravity"
+TRACE_KEY = "gravity_trace"
+"""``extra_args[TRACE_KEY]``: an id under which the processor keeps the request's per-step measurements
+(:func:`pop_trace`), for a caller in the engine's process (``ngrav serve --engine vllm`` streams them)."""
+
+# id -> one row of METRICS (entropy, mass, mass_after, kl, strength) per generated token, until popped
+_TRACES: dict[str, list[list[float]]] = {}
+_TRACES_LOCK = threading.Lock()
+
+
+def pop_trace(trace_id: str) -> list[dict[str, float]]:
+    """The measurements kept for ``trace_id`` since the last call, one per generated token, oldest first."""
+    with _TRACES_LOCK:
+        rows = _TRACES.pop(trace_id, [])
+    return [dict(zip(METRICS, row)) for row in rows]
+
+
+def forget_trace(trace_id: str) -> None:
+    """Drop what is kept for ``trace_id`` (a request that ended or was aborted)."""
+    with _TRACES_LOCK:
+        _TRACES.pop(trace_id, None)
+
+
 _SOURCE = f"extra_args[{GRAVITY_KEY!r}]"
 
 # --------------------------------------------------------------------------------------------------
@@ -187,6 +218,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         self._outputs: list[list[int] | None] = [None] * max_num_reqs
         self._seen = np.zeros(max_num_reqs, dtype=np.int64)
         self._fresh = np.zeros(max_num_reqs, dtype=bool)
+        self._trace_ids: list[str | None] = [None] * max_num_reqs
         self._batch_size = 0
         self._spec_warned = False
         self.last_strength: torch.Tensor | None = None
@@ -209,22 +241,26 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             return
         for index in batch_update.removed:
             self.kernel.remove(index)
-            self._outputs[index] = None
+            self._outputs[index] = self._trace_ids[index] = None
         for index, params, prompt_ids, output_ids in batch_update.added:
             program = self._program(params)
             budget = getattr(params, "max_tokens", None)
             self.kernel.add(index, program, budget=budget, prompt=prompt_ids or (), output=output_ids or ())
             self._outputs[index] = output_ids if program is not None else None
             self._seen[index] = len(output_ids or ())
+            self._trace_ids[index] = _trace_id(params) if program is not None else None
         for a, b, direction in batch_update.moved:
+            ids = self._trace_ids
             if direction == MoveDirectionality.SWAP:
                 self.kernel.swap(a, b)
                 self._outputs[a], self._outputs[b] = self._outputs[b], self._outputs[a]
                 self._seen[[a, b]] = self._seen[[b, a]]
+                ids[a], ids[b] = ids[b], ids[a]
             else:
                 self.kernel.move(a, b)
                 self._outputs[b], self._outputs[a] = self._outputs[a], None
                 self._seen[b] = self._seen[a]
+                ids[b], ids[a] = ids[a], None
         self._batch_size = batch_update.batch_size
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
@@ -234,6 +270,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         program = self._program(sampling_params)
         self.kernel.add(req_idx, program, budget=getattr(sampling_params, "max_tokens", None))
         self._fresh[req_idx] = program is not None
+        self._trace_ids[req_idx] = _trace_id(sampling_params) if program is not None else None
         return program is not None
 
     def apply_staged_writes(self) -> None:
@@ -247,8 +284,18 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         self.last_strength = None
         if rows is None:
             return logits
-        out, result = self.kernel.apply(logits, *rows, measure_step=self.on_step is not None)
+        logits_rows, rows_np = rows
+        traced = []
+        if any(self._trace_ids):
+            traced = [(i, self._trace_ids[r]) for i, r in enumerate(rows_np) if self._trace_ids[r] is not None]
+        measure = self.on_step is not None or bool(traced)
+        out, result = self.kernel.apply(logits, logits_rows, rows_np, measure_step=measure)
         self.last_strength = result.strength
+        if traced:  # one read back per step, only while some request asked for its trace
+            values = result.measurement.stack()[[i for i, _ in traced]].tolist()
+            with _TRACES_LOCK:
+                for (_, trace_id), row in zip(traced, values):
+                    _TRACES.setdefault(trace_id, []).append(row)
         if self.on_step is not None:
             self.on_step(logits, out, result)
         return out
@@ -353,6 +400,12 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             s = slots[rows]
             self.kernel.advance(ctx.input_ids[rows].long(), s, new=steps[rows] > self.kernel.step[s])
         return slots, slots_np
+
+
+def _trace_id(params: Any) -> str | None:
+    extra = getattr(params, "extra_args", None) or {}
+    value = extra.get(TRACE_KEY)
+    return None if value is None else str(value)
 
 
 def _reads_lm_embeddings(profile: Profile) -> bool:

@@ -386,6 +386,9 @@ class ContinuousScheduler:
                 if row.cancelled:
                     continue
                 row.sent.append(payload)
+            elif kind == "stats":  # the measurements of the token that follows
+                if row.cancelled:
+                    continue
             elif row not in self._live:  # already failed by stop()
                 continue
             else:

@@ -9,8 +9,10 @@ engine and loops ``engine.step()``. Between two steps it adds the rows submitted
 batch at once, as in vLLM's own server), aborts the rows whose request was cancelled, and reports each step's
 new tokens, finished rows and failures in one callback per submission. A request the engine refuses fails alone.
 
-vLLM schedules prefill and decode itself, so rows do not advance in lockstep. The vLLM processor keeps no
-per-row trace, so rows report their token count but no narrative mass or KL. The engine keeps its own
+vLLM schedules prefill and decode itself, so rows do not advance in lockstep. A row whose request asked for
+per-token stats (``stream_options.include_trace``) carries a trace id in ``extra_args``; the processor keeps
+that row's measurements per step (:func:`~narrative_gravity.engines.vllm.pop_trace`), each token is streamed
+with them, and the row reports their means (narrative mass, KL) when it ends. The engine keeps its own
 statistics (``disable_log_stats=False``); :meth:`VLLMBackend.collectors` puts its ``vllm:*`` metrics (waiting
 and running requests, KV-cache usage, token counts, latencies) on the server's ``/metrics``.
 
@@ -29,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..engines.vllm import TRACE_KEY, forget_trace, pop_trace
 from ..errors import ConfigurationError
 from ..models import DEFAULT_MODEL, hf_folder
 from ..profile import Profile
@@ -49,6 +52,23 @@ class _Live:
     row: GenerationRow
     on_events: EventCallback
     tokens: int = 0
+    traced: bool = False  # the request asked for per-token stats (the processor keeps them under its id)
+    sums: dict[str, float] | None = None  # the stats summed over its tokens, for the row's means
+
+
+def _row_stats(live: _Live) -> RowStats:
+    """A finished row's token count and, when it was traced, the means of its measurements."""
+    if not live.sums or not live.tokens:
+        return RowStats(new_tokens=live.tokens)
+    mean = {k: v / live.tokens for k, v in live.sums.items()}
+    return RowStats(
+        new_tokens=live.tokens,
+        narrative_mass=mean["mass_after"],
+        narrative_mass_before=mean["mass"],
+        kl=mean["kl"],
+        strength=mean["strength"],
+        entropy=mean["entropy"],
+    )
 
 
 class _EngineMetrics:
@@ -75,6 +95,7 @@ class VLLMBackend(TokenizerText):
     """
 
     name = "vllm"
+    token_stats = True  # streams per-token λ, entropy, mass and KL for rows that ask (the processor's trace)
 
     def __init__(self, llm: Any, *, model_id: str) -> None:
         if not model_id:
@@ -208,7 +229,7 @@ class VLLMBackend(TokenizerText):
 
     # ------------------------------------------------------------------------------------------- engine thread
 
-    def _params(self, row: GenerationRow) -> Any:
+    def _params(self, row: GenerationRow, rid: str | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -216,6 +237,8 @@ class VLLMBackend(TokenizerText):
         extra = None
         if row.gravity is not None:
             extra = {"gravity": row.gravity.profile.model_dump(exclude_none=True)}
+            if rid is not None and getattr(row, "trace", False):
+                extra[TRACE_KEY] = rid
         return SamplingParams(
             max_tokens=row.max_tokens,
             temperature=0.0 if s.greedy else s.temperature,
@@ -268,14 +291,15 @@ class VLLMBackend(TokenizerText):
                 self._stop_waiting()
                 continue
             try:
-                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(row.prompt_ids)), self._params(row))
+                params = self._params(row, rid)
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(row.prompt_ids)), params)
             except Exception as exc:  # this request only: a bad profile, a prompt the engine refuses
                 log.warning("vLLM refused a request: %s", exc)
                 events.setdefault(on_events, []).append((row, "error", exc))
                 self._stop_waiting()
                 continue
             with self._cv:
-                self._live[rid] = _Live(row, on_events)
+                self._live[rid] = _Live(row, on_events, traced=TRACE_KEY in (params.extra_args or {}))
 
     def _abort(self, rids: list[str], events: dict[EventCallback, list]) -> None:
         if not rids:
@@ -307,7 +331,12 @@ class VLLMBackend(TokenizerText):
                     self._stop_waiting()
                 live.tokens += len(tokens)
                 batch = events.setdefault(live.on_events, [])
-                batch.extend((live.row, "token", t) for t in tokens)
+                stats = pop_trace(out.request_id) if live.traced else []
+                for j, t in enumerate(tokens):
+                    if j < len(stats):  # the step's measurements go just before its token
+                        batch.append((live.row, "stats", stats[j]))
+                        live.sums = {k: (live.sums or {}).get(k, 0.0) + v for k, v in stats[j].items()}
+                    batch.append((live.row, "token", t))
             if out.finished:
                 self._finish(out.request_id, "end", None, events)
         if self._live and not self.engine.has_unfinished_requests():  # finished without a final output
@@ -321,7 +350,9 @@ class VLLMBackend(TokenizerText):
             return
         if live.tokens == 0:
             self._stop_waiting()
-        payload: Any = error if kind == "error" else RowStats(new_tokens=live.tokens)
+        if live.traced:
+            forget_trace(rid)
+        payload: Any = error if kind == "error" else _row_stats(live)
         events.setdefault(live.on_events, []).append((live.row, kind, payload))
 
     def _stop_waiting(self) -> None:
