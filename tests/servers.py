@@ -3,6 +3,7 @@ same uvicorn settings (timeouts included) as ``ngrav serve``."""
 
 from __future__ import annotations
 
+import copy
 import socket
 import threading
 import time
@@ -11,6 +12,18 @@ from typing import Any
 import httpx
 import openai
 import uvicorn
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def with_chat_template(tokenizer: Any) -> Any:
+    """A copy of a (tiny) tokenizer with a plain chat template; the session-wide tokenizer stays as it is."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 class RunningServer:

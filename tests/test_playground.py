@@ -7,7 +7,6 @@ test at the end."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import json
 import os
@@ -33,13 +32,9 @@ from narrative_gravity.profile import Profile  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
 from narrative_gravity.server.playground import topic_profile  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
-from servers import RunningServer  # noqa: E402
+from servers import RunningServer, with_chat_template  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
 
@@ -47,8 +42,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def tiny_backend(tiny_model: tuple[Any, Any]) -> HFBackend:
     model, tokenizer = tiny_model
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = with_chat_template(tokenizer)
     return HFBackend(model, tokenizer, model_id=MODEL)
 
 

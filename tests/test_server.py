@@ -4,7 +4,6 @@ server on loopback. Most tests use the tiny seeded Llama from conftest; one slow
 from __future__ import annotations
 
 import asyncio
-import copy
 import importlib.util
 import re
 from collections.abc import Iterator
@@ -27,12 +26,8 @@ from narrative_gravity.fields import NarrativeField  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app, make_backend  # noqa: E402
 from narrative_gravity.server.hf import GroupedGravityLogitsProcessor  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
-from servers import RunningServer  # noqa: E402
+from servers import RunningServer, with_chat_template  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
 
@@ -40,8 +35,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def tiny_backend(tiny_model: tuple[Any, Any]) -> HFBackend:
     model, tokenizer = tiny_model
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = with_chat_template(tokenizer)
     return HFBackend(model, tokenizer, model_id=MODEL)
 
 

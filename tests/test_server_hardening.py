@@ -5,7 +5,6 @@ connection timeouts, a damaged store. Uses the tiny seeded Llama from conftest."
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import socket
 import time
@@ -23,12 +22,8 @@ from narrative_gravity.errors import ConfigurationError  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
 from narrative_gravity.server.backend import RowStats, TokenCallback  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
-from servers import RunningServer  # noqa: E402
+from servers import RunningServer, with_chat_template  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
 POISON = "The poisoned comet"
@@ -59,8 +54,7 @@ class FlakyBackend(HFBackend):
 @pytest.fixture(scope="module")
 def backend(tiny_model: tuple[Any, Any]) -> FlakyBackend:
     model, tokenizer = tiny_model
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = with_chat_template(tokenizer)
     return FlakyBackend(model, tokenizer, model_id=MODEL)
 
 
