@@ -551,18 +551,6 @@ class GravityKernel:
             a = a.scatter_add(1, pieces, match.to(a.dtype) * bank.next_values[None]).clamp(-1.0, 1.0)
         return a
 
-    def fields(self, rows: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
-        """The dense ``[B, V]`` field each row is pulled toward now (its stage, continuations included;
-        before ``repeat_weight``). For inspection and tests."""
-        vocab = vocab or self._vocab
-        if vocab is None:
-            raise ConfigurationError("the kernel has not seen logits yet; call apply() first or pass vocab=")
-        bank = self._bank_for(vocab, self._bank[0][2] if self._bank else torch.float32)
-        if rows is None:
-            rows = torch.arange(self.capacity, device=self.device)
-        frow = self._upload(bank)["first"][rows] + self.stage[rows]
-        return self._dense(self._field_rows(bank, frow, self.recent[rows]), bank.support, bank.dense, vocab)
-
     # -- the field bank -------------------------------------------------------------------------------
 
     def _bank_for(self, vocab: int, dtype: torch.dtype) -> _Bank:

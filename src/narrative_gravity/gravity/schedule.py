@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError
+from .field import last_tokens
 from .thermo import probabilities
 
 __all__ = [
@@ -688,8 +689,6 @@ class ThermostatController(ScheduleController):
         b = ctx.batch_size
         if ctx.input_ids is None:
             return torch.zeros(b, device=ctx.device)
-        from .field import last_tokens
-
         recent = last_tokens(ctx.input_ids.long(), self.drift_window)
         if self.drift_values is not None:
             on_src = (self.drift_values > 0).to(recent.device)

@@ -68,7 +68,7 @@ def measure(
 
     ``support`` (optional): the token ids where the field can be non-zero, with every pruned token among
     them. Then ``p'`` differs from ``p`` only there (``p' ∝ p·exp(λa)``), so the pulled quantities come
-    from that slice and the whole-vocabulary work is the one ``log_softmax`` plus the entropy.
+    from that slice and the whole-vocabulary work is one softmax pass with the entropy (:func:`probabilities`).
 
     >>> logits, field = torch.randn(2, 6), torch.tensor([1.0, 0, 0, -0.5, 0, 0])
     >>> dense = measure(logits, field, torch.tensor([2.0, 0.5]))
