@@ -14,7 +14,12 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.gravity.schedule import ConstantController, PhaseScheduleController, StepContext
+from narrative_gravity.gravity.schedule import (
+    ConstantController,
+    PhaseScheduleController,
+    StepContext,
+    ThermostatController,
+)
 from narrative_gravity.gravity.thermo import Trace, measure
 from narrative_gravity.gravity.tilt import apply_gravity
 
@@ -300,8 +305,10 @@ def test_nan_logits_raise_with_row_and_step() -> None:
     assert isinstance(exc.value, FloatingPointError)
 
 
-def test_nan_in_several_rows_names_them_all() -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=1.0)
+@pytest.mark.parametrize("controller", [None, ThermostatController(4.0)], ids=["constant", "thermostat"])
+def test_nan_in_several_rows_names_them_all(controller: Any) -> None:
+    # the thermostat reads NaN rows from its own softmax; the other schedules from one sum per row
+    proc = NarrativeGravityLogitsProcessor(plain_field(), controller=controller)
     bad = torch.zeros(3, V)
     bad[0, 0] = float("nan")
     bad[2] = float("nan")
@@ -309,8 +316,9 @@ def test_nan_in_several_rows_names_them_all() -> None:
         proc(torch.tensor([[1], [2], [3]]), bad)
 
 
-def test_neg_inf_logits_are_not_an_error() -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=1.0)
+@pytest.mark.parametrize("controller", [None, ThermostatController(4.0)], ids=["constant", "thermostat"])
+def test_neg_inf_logits_are_not_an_error(controller: Any) -> None:
+    proc = NarrativeGravityLogitsProcessor(plain_field(), controller=controller)
     s = torch.zeros(2, V)
     s[0, :] = NEG_INF
     s[1, 2] = NEG_INF

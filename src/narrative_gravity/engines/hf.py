@@ -165,12 +165,14 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         schedules = self.controller.schedule(b) if self._builtin else None
         self.kernel.add_batch(self.program, input_ids, budget=self.max_new_tokens, schedules=schedules)
 
-    def _check_nan(self, scores: torch.Tensor, step: int) -> None:
+    def _check_nan(self, scores: torch.Tensor, step: int, finite: torch.Tensor | None) -> None:
         every = self.nan_check_every or (1 if scores.device.type == "cpu" else 16)
         if every == 1:
-            # One read-only reduction per row; the exact (full-size) check runs only when a row sum is NaN,
-            # which also happens for a row holding both +inf and -inf.
-            if bool(torch.isnan(scores.sum(dim=-1)).any()):
+            # One read-only reduction per row (or the thermostat's softmax, which has read every logit
+            # already); the exact (full-size) check runs only when a row is not finite, which also happens
+            # for a row holding +inf, or only -inf.
+            suspect = ~finite if finite is not None else torch.isnan(scores.sum(dim=-1))
+            if bool(suspect.any()):
                 rows_nan = torch.isnan(scores).any(dim=-1)
                 if bool(rows_nan.any()):
                     self._raise_nan(rows_nan, torch.full_like(rows_nan, step, dtype=torch.long))
@@ -204,7 +206,6 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             self._start(input_ids, scores.shape[-1])
         self._last_len = length
         step = length - self._prompt_len
-        self._check_nan(scores, step)
         strength = None
         if not self._builtin:
 
@@ -223,6 +224,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         out, result = self.kernel.apply(
             scores, measure_step=self.trace is not None, measure_only=self.measure_only, strength=strength
         )
+        self._check_nan(scores, step, result.finite)
         self.last_strength = result.strength
         if self.trace is not None:
             self.trace.record(result.measurement)

@@ -287,9 +287,11 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         logits_rows, rows_np = rows
         traced = []
         if any(self._trace_ids):
-            traced = [(i, self._trace_ids[r]) for i, r in enumerate(rows_np) if self._trace_ids[r] is not None]
+            kernel_rows = range(logits.shape[0]) if rows_np is None else rows_np
+            traced = [(i, self._trace_ids[r]) for i, r in enumerate(kernel_rows) if self._trace_ids[r] is not None]
         measure = self.on_step is not None or bool(traced)
-        out, result = self.kernel.apply(logits, logits_rows, rows_np, measure_step=measure)
+        # vLLM hands its float32 logits over (its own processors write into them too)
+        out, result = self.kernel.apply(logits, logits_rows, rows_np, measure_step=measure, inplace=not measure)
         self.last_strength = result.strength
         if traced:  # one read back per step, only while some request asked for its trace
             values = result.measurement.stack()[[i for i, _ in traced]].tolist()
@@ -351,7 +353,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
 
     # -- one step ------------------------------------------------------------------------------------
 
-    def _step_v1(self, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+    def _step_v1(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray | None] | None:
         b = min(self._batch_size, logits.shape[0])
         live = np.flatnonzero(self.kernel.prog[:b] >= 0)
         if not live.size:
@@ -360,16 +362,19 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         # reads how many each has, and the newest token of those that grew.
         lengths = np.fromiter((len(self._outputs[i]) for i in live), dtype=np.int64, count=live.size)
         grown = lengths - self._seen[live]
-        for k in range(int(grown.max(initial=0))):  # one token a step; more only if a step was skipped
-            rows = live[grown > k]
-            tokens = [self._outputs[i][self._seen[i] + k] for i in rows]
-            self.kernel.advance(
-                torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True),
-                torch.from_numpy(rows).to(self.device, non_blocking=True),
-            )
+        if live.size == b == logits.shape[0] and (grown == 1).all():  # the usual step: all rows, one token each
+            tokens = [self._outputs[i][-1] for i in range(b)]
+            self.kernel.advance(torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True))
+        else:
+            for k in range(int(grown.max(initial=0))):  # one token a step; more only if a step was skipped
+                rows = live[grown > k]
+                tokens = [self._outputs[i][self._seen[i] + k] for i in rows]
+                self.kernel.advance(
+                    torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True),
+                    torch.from_numpy(rows).to(self.device, non_blocking=True),
+                )
         self._seen[live] = lengths
-        rows_np = np.arange(logits.shape[0])
-        return torch.arange(logits.shape[0], device=self.device), rows_np
+        return None, None  # logits row i is kernel row i
 
     def _step_v2(self, logits: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, np.ndarray] | None:
         slots_np = np.asarray(ctx.idx_mapping_np).astype(np.int64)

@@ -39,8 +39,8 @@ from .field import NO_TOKEN, NarrativeField, last_tokens, match_suffixes
 from .schedule import (
     _COL,
     COLUMNS,
-    Columns,
     MassProblem,
+    RowSchedule,
     off_topic_share,
     scheduled_strength,
     thermostat_target,
@@ -107,11 +107,14 @@ class Program:
 
 @dataclass
 class StepResult:
-    """What :meth:`GravityKernel.apply` did besides the logits: ``strength`` ``[B]`` and, when asked, the
-    step's :class:`~narrative_gravity.gravity.thermo.Measurement`."""
+    """What :meth:`GravityKernel.apply` did besides the logits: ``strength`` ``[B]``, when asked the step's
+    :class:`~narrative_gravity.gravity.thermo.Measurement`, and ``finite``."""
 
     strength: torch.Tensor
     measurement: Measurement | None = None
+    finite: torch.Tensor | None = None
+    """``[B]`` bool where the thermostat ran: whether the row's softmax was finite (``False`` for a row with
+    a NaN or ``+inf`` logit, or without a finite one), so an engine can check its logits at no extra pass."""
 
 
 @dataclass
@@ -122,7 +125,7 @@ class _Bank:
     dense: bool  # the support is the whole vocabulary
     pos_of: torch.Tensor  # [V] position in the support, -1 outside
     values: torch.Tensor  # [F + 1, S]; the last row is all zero (rows without gravity)
-    on: torch.Tensor  # [F + 1, S] values > 0
+    on_vocab: torch.Tensor  # [F + 1, V + 1] values > 0 over the vocabulary; the last column is False
     share: torch.Tensor  # [F + 1] float64: the field row's share of the budget (1 outside stages)
     need: torch.Tensor  # [F + 1] words that cover the stage
     prefixes: torch.Tensor | None  # [E, L] continuation prefixes, right-aligned, -1 padded
@@ -134,6 +137,25 @@ class _Bank:
     n_words: int
     first: dict[int, int]  # program slot -> its first field row
     zero_row: int
+
+
+@dataclass
+class _Plan:
+    """What a step over one set of rows needs that changes only when rows join, leave or move: the rows'
+    schedules in step-ready form, their field rows, and the host-side choices (which rules run, the solver's
+    sizes), so that a step makes no host decisions over per-row arrays."""
+
+    schedule: RowSchedule
+    first: torch.Tensor  # [B] each row's first field row
+    columns: torch.Tensor | None  # [B, K] candidate columns (rows without stages; else read per step)
+    staged: bool  # some row runs stages: its field row moves with its stage
+    repeat: torch.Tensor | None  # [B, 1] repeat_weight, when some row has one below 1
+    threshold: torch.Tensor | None  # [B, 1] prune threshold (NaN: off), when some row prunes
+    prunes_off_support: bool  # some threshold is >= 0, so tokens off the support are pruned too
+    candidates: int
+    row_candidates: torch.Tensor | None  # [B] when rows ask for different counts
+    iterations: int
+    row_iterations: torch.Tensor | None  # [B] when rows ask for different counts
 
 
 class GravityKernel:
@@ -168,6 +190,7 @@ class GravityKernel:
         self.threshold = np.full(n, np.nan, dtype=np.float32)
         self.last_stage = np.zeros(n, dtype=np.int64)
         self._dev: dict[str, torch.Tensor] = {}
+        self._plans: dict[bytes, _Plan] = {}
         self._dirty = True
         # per-row history on the device
         self.width = 1
@@ -350,12 +373,12 @@ class GravityKernel:
             self._dev = {
                 "bank": bank.values,
                 "first": torch.from_numpy(first).to(self.device, non_blocking=True),
-                "sched": torch.from_numpy(self.sched).to(self.device, non_blocking=True),
                 "budget": torch.from_numpy(self.budget).to(self.device, non_blocking=True),
                 "repeat": torch.from_numpy(self.repeat).to(self.device, non_blocking=True),
                 "threshold": torch.from_numpy(self.threshold).to(self.device, non_blocking=True),
                 "last": torch.from_numpy(self.last_stage).to(self.device, non_blocking=True),
             }
+            self._plans = {}
             self._dirty = False
         return self._dev
 
@@ -379,22 +402,33 @@ class GravityKernel:
         """Each of ``rows`` (default ``0..len(tokens)-1``) generated ``tokens``; with ``new`` (bool, per row)
         only where it is true. Updates the history, the step, what the row has said, and its stage."""
         tokens = tokens.to(self.device).long()
-        rows_t = torch.arange(tokens.shape[0], device=self.device) if rows is None else rows
-        if rows is None:
-            rows = slice(0, tokens.shape[0])  # the transformers case: views, no gathers
-        recent = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
-        step = self.step[rows] + 1
-        if new is not None:
-            recent = torch.where(new[:, None], recent, self.recent[rows])
-            step = torch.where(new, step, self.step[rows])
-        self.recent[rows] = recent
-        self.step[rows] = step
-        if self.said is not None:
-            ids = tokens.clamp(0, self.said.shape[1] - 1)
-            if new is None:
-                self.said[rows_t, ids] = True
-            else:
-                self.said[rows_t, ids] = self.said[rows_t, ids] | new
+        if rows is None and new is None:  # the transformers case: rows 0..B-1 all step, in place on views
+            b = tokens.shape[0]
+            rows = slice(0, b)
+            history = self.recent[:b]
+            history[:, :-1] = history[:, 1:].clone()
+            history[:, -1] = tokens
+            self.step[:b] += 1
+            recent, step = history, self.step[:b]
+            if self.said is not None:
+                self.said[:b].scatter_(1, tokens.clamp(0, self.said.shape[1] - 1)[:, None], True)
+        else:
+            rows_t = torch.arange(tokens.shape[0], device=self.device) if rows is None else rows
+            if rows is None:
+                rows = slice(0, tokens.shape[0])
+            recent = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
+            step = self.step[rows] + 1
+            if new is not None:
+                recent = torch.where(new[:, None], recent, self.recent[rows])
+                step = torch.where(new, step, self.step[rows])
+            self.recent[rows] = recent
+            self.step[rows] = step
+            if self.said is not None:
+                ids = tokens.clamp(0, self.said.shape[1] - 1)
+                if new is None:
+                    self.said[rows_t, ids] = True
+                else:
+                    self.said[rows_t, ids] = self.said[rows_t, ids] | new
         if self.last_stage.any():
             dtype = self._bank[0][2] if self._bank is not None else torch.float32
             bank = self._bank_for(self._width(), dtype)
@@ -427,13 +461,15 @@ class GravityKernel:
         measure_step: bool = False,
         measure_only: bool = False,
         strength: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, StepResult]:
         """One step of gravity on ``logits [B, V]`` (not modified); returns the new logits and a :class:`StepResult`.
 
         ``rows`` (device) and ``rows_np`` (the same on the host) map logits rows to kernel rows (default
         ``0..B-1``). ``measure_step`` also measures entropy, narrative mass and KL; ``measure_only`` measures
         and leaves the logits as they are. ``strength`` replaces the schedules: a function of the dense
-        ``[B, V]`` field of the step that returns ``[B]`` λ (a controller of the user's own).
+        ``[B, V]`` field of the step that returns ``[B]`` λ (a controller of the user's own). ``inplace``: the
+        engine hands its logits over, and they are pulled where they are (not with ``measure_step``).
         """
         b, vocab = logits.shape
         if rows is None:
@@ -443,73 +479,83 @@ class GravityKernel:
             rows_np = rows.cpu().numpy()
         self._vocab = vocab
         bank = self._bank_for(vocab, logits.dtype)
-        dev = self._upload(bank)
-        if (self.repeat[rows_np] < 1.0).any():
-            self._said(vocab)
-        frow = dev["first"][rows] + self.stage[rows]
+        plan = self._plan(bank, rows, rows_np)
+        frow = plan.first + self.stage[rows] if plan.staged else plan.first
         support = bank.support
         recent = self.recent[rows]
         a = self._field_rows(bank, frow, recent)  # [B, S]
-        repeat = self.repeat[rows_np]
-        if (repeat < 1.0).any():
-            said = (
-                self.said[rows][:, support] if isinstance(rows, slice) else self.said[rows[:, None], support[None, :]]
-            )
-            a = torch.where(said & (a > 0), a * dev["repeat"][rows][:, None].to(a.dtype), a)
-        sched = self.sched[rows_np]
-        cols = Columns(dev["sched"][rows])
+        if plan.repeat is not None:
+            said = self._said(vocab)
+            said = said[rows][:, support] if isinstance(rows, slice) else said[rows[:, None], support[None, :]]
+            a = torch.where(said & (a > 0), a * plan.repeat.to(a.dtype), a)
+        rs = plan.schedule
         step = self.step[rows]
-        budget = dev["budget"][rows]
-        probs = entropy = None
+        probs = entropy = finite = None
         if measure_only:
             lam = torch.zeros(b, dtype=torch.float32, device=logits.device)
         elif strength is not None:
             lam = strength(self._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
         else:
-            thermo = sched[:, _COL["thermostat"]] > 0
             lam = None
-            if not thermo.all():
-                lam = scheduled_strength(step, budget, cols).to(torch.float32)
-            if thermo.any():
+            if not rs.all_thermostat:
+                lam = scheduled_strength(step, rs).to(torch.float32)
+            if rs.any_thermostat:
                 probs, entropy = probabilities(logits, None if bank.dense else support)  # [B, S]
-                iters, cands = sched[thermo, _COL["iterations"]], sched[thermo, _COL["candidates"]]
-                k = min(int(cands.max()), bank.columns.shape[1])
-                same_k = bool((np.minimum(cands, k) == k).all())  # host-side: per-row counts only when they differ
-                prob = MassProblem(
-                    probs,
-                    entropy,
-                    a,
-                    bank.dense,
-                    k,
-                    None if same_k else cols.candidates,
-                    bank.columns[frow],
-                )
-                ids = recent.clamp(0, vocab - 1)
-                pos = bank.pos_of[ids]
-                on = (pos >= 0) & (recent >= 0) & (recent < vocab)
-                on &= bank.on[frow[:, None], pos.clamp_min(0)]
-                off = off_topic_share(recent, on, step, cols)
-                target = thermostat_target(step, budget, cols, entropy, vocab, off)
-                n_iter = int(iters.max())
-                same_iter = bool((iters == n_iter).all())
-                solved = prob.solve(target, cols.base.float(), n_iter, None if same_iter else cols.iterations)
-                lam = solved if lam is None else torch.where(cols.thermostat > 0, solved, lam)
+                columns = plan.columns if plan.columns is not None else bank.columns[frow]
+                prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
+                on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
+                target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
+                solved = prob.solve(target, rs.base32, plan.iterations, plan.row_iterations)
+                finite = prob.alive
+                lam = solved if lam is None else torch.where(rs.thermostat, solved, lam)
         mask = None
-        thr = self.threshold[rows_np]
-        if np.isfinite(thr).any():
-            t = dev["threshold"][rows][:, None]
-            on_support = a <= t
+        if plan.threshold is not None:
+            on_support = a <= plan.threshold
             if bank.dense:
                 mask = on_support
             else:
-                mask = (t >= 0).expand(b, vocab).clone()
+                mask = (plan.threshold >= 0).expand(b, vocab).clone()
                 mask[:, support] = on_support
         sparse = None if bank.dense else support
-        out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse)
-        result = StepResult(strength=lam)
+        inplace = inplace and not measure_step
+        out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse, inplace=inplace)
+        result = StepResult(strength=lam, finite=finite)
         if measure_step or measure_only:
-            result.measurement = self._measure(logits, out, a, lam, mask, bank, probs, entropy, thr)
+            result.measurement = self._measure(logits, out, a, lam, mask, bank, probs, entropy, plan)
         return out, result
+
+    def _plan(self, bank: _Bank, rows: torch.Tensor | slice, rows_np: np.ndarray) -> _Plan:
+        """The step plan of ``rows`` (cached until rows or programs change)."""
+        dev = self._upload(bank)
+        key = rows_np.tobytes()
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        rs = RowSchedule(self.sched[rows_np], self.budget[rows_np], self.device)
+        first = dev["first"][rows]
+        staged = bool(self.last_stage[rows_np].any())
+        repeat = self.repeat[rows_np]
+        thr = self.threshold[rows_np]
+        k = min(int(rs.candidates.max(initial=1)), bank.columns.shape[1])
+        n_iter = int(rs.iterations.max(initial=1))
+        row_k = rs.candidates.clip(max=k)
+        plan = _Plan(
+            schedule=rs,
+            first=first,
+            columns=None if staged else bank.columns[first],
+            staged=staged,
+            repeat=dev["repeat"][rows][:, None] if (repeat < 1.0).any() else None,
+            threshold=dev["threshold"][rows][:, None] if np.isfinite(thr).any() else None,
+            prunes_off_support=bool((thr >= 0).any()),
+            candidates=k,
+            row_candidates=None if (row_k == k).all() else rs.row_candidates.clamp_max(k),
+            iterations=n_iter,
+            row_iterations=None if (rs.iterations == n_iter).all() else rs.row_iterations,
+        )
+        if len(self._plans) >= 8:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def _measure(
         self,
@@ -521,11 +567,11 @@ class GravityKernel:
         bank: _Bank,
         probs: torch.Tensor | None,
         entropy: torch.Tensor | None,
-        thr: np.ndarray,
+        plan: _Plan,
     ) -> Measurement:
         if bank.dense:
             return measure(logits, a, lam, pulled=out)
-        if mask is not None and (thr >= 0).any():  # pruning reaches tokens off the support: measure densely
+        if mask is not None and plan.prunes_off_support:  # pruning reaches tokens off the support: measure densely
             return measure(logits, self._dense(a, bank.support, False, logits.shape[1]), lam, pulled=out)
         pruned = None
         if mask is not None:
@@ -588,6 +634,8 @@ class GravityKernel:
         values = torch.zeros(zero + 1, support.numel(), dtype=dtype, device=dev)
         for i, f in enumerate(frows):
             values[i] = f.values[support]
+        on_vocab = torch.zeros(zero + 1, vocab + 1, dtype=torch.bool, device=dev)
+        on_vocab[:, support] = values > 0
         tables = [(i, f) for i, f in enumerate(frows) if f.has_continuations]
         prefixes = next_pos = next_values = entry_frow = None
         if tables:
@@ -623,7 +671,7 @@ class GravityKernel:
             dense=dense,
             pos_of=pos_of,
             values=values,
-            on=values > 0,
+            on_vocab=on_vocab,
             share=torch.tensor([*shares, 1.0], dtype=torch.float64, device=dev),
             need=torch.tensor([*needs, 10**9], dtype=torch.long, device=dev),
             prefixes=prefixes,

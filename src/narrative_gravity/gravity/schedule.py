@@ -1,7 +1,8 @@
 """Schedules: the pull λ for every row at every step, from each row's own step, budget and measurements.
 
-A schedule is a row of named numbers (:data:`COLUMNS`): rows at different steps, with different budgets and
-different schedules, are the normal case and share one pass of tensor work. Each rule is written once:
+A schedule is a row of named numbers (:data:`COLUMNS`), made step-ready per row by :class:`RowSchedule`:
+rows at different steps, with different budgets and different schedules, are the normal case and share one
+pass of tensor work. Each rule is written once:
 
 - :func:`phase_value`: explore → converge → strict over the budget (multipliers for ``phases``, target
   masses for the thermostat);
@@ -22,8 +23,8 @@ maps a :class:`StepContext` to a ``[B]`` tensor) runs too, in the transformers e
 >>> sched = PhaseScheduleController(2.0)
 >>> [round(sched.scale(t, 100), 2) for t in (0, 50, 95)]
 [0.5, 1.0, 1.5]
->>> rows = sched.schedule(2)  # [2, len(COLUMNS)] float64, one row per sequence
->>> scheduled_strength(torch.tensor([0, 95]), torch.tensor([100, 100]), Columns(torch.from_numpy(rows))).tolist()
+>>> rows = RowSchedule(sched.schedule(2), np.array([100, 100]))  # one schedule row per sequence
+>>> scheduled_strength(torch.tensor([0, 95]), rows).tolist()
 [1.0, 3.0]
 """
 
@@ -44,10 +45,10 @@ from .thermo import probabilities
 __all__ = [
     "COLUMNS",
     "DRIFT_SCOPES",
-    "Columns",
     "ConstantController",
     "MassProblem",
     "PhaseScheduleController",
+    "RowSchedule",
     "ScheduleController",
     "StepContext",
     "StrengthController",
@@ -89,19 +90,92 @@ COLUMNS = (
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
-class Columns:
-    """Named ``[R]`` views of a ``[R, len(COLUMNS)]`` schedule table: ``Columns(t).explore_until``."""
+class RowSchedule:
+    """Per-row schedule numbers in the form a step needs, derived once from a schedule table.
 
-    __slots__ = ("table",)
+    A schedule table is ``[R, len(COLUMNS)]`` float64 (one :data:`COLUMNS` row per sequence). Everything
+    that does not change from step to step is worked out here, on the host, when rows join or leave: the
+    step at which each row's explore phase ends and its strict phase starts (exactly where ``step / budget``
+    crosses the bounds in float64), the phase values in the dtypes the rules use, and which rules any row
+    needs at all. A step then reads these ``[R]`` tensors and does a handful of tensor operations.
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
+    >>> rs = RowSchedule(PhaseScheduleController(2.0).schedule(1), np.array([100]))
+    >>> rs.explore_end.tolist(), rs.strict_start.tolist()  # 20 / 100 = 0.2 is no longer "before 0.2"
+    ([20], [80])
+    """
 
-    def __getattr__(self, name: str) -> torch.Tensor:
-        try:
-            return self.table[:, _COL[name]]
-        except KeyError:
-            raise AttributeError(name) from None
+    NEVER = 2**62  # a phase boundary that no step reaches
+
+    def __init__(self, table: np.ndarray, budget: np.ndarray, device: torch.device | str = "cpu") -> None:
+        table = np.asarray(table, dtype=np.float64)
+        budget = np.asarray(budget, dtype=np.int64)
+        c = {name: table[:, i] for name, i in _COL.items()}
+        dev = torch.device(device)
+
+        def put(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(x)).to(device=dev, dtype=dtype)
+
+        has_budget = budget > 0
+        b = np.maximum(budget, 1).astype(np.float64)
+        self.explore_end = put(
+            np.where(has_budget, _first_step_at(c["explore_until"], b), c["explore_steps"]), torch.int64
+        )
+        self.strict_start = put(np.where(has_budget, _first_step_at(c["strict_from"], b), self.NEVER), torch.int64)
+        phase = np.stack([c["explore"], c["converge"], c["strict"]], axis=1)
+        self.phase64 = put(phase, torch.float64).unbind(1)  # multipliers: base × scale in float64, as Python does
+        self.phase32 = put(phase.astype(np.float32), torch.float32).unbind(1)  # thermostat targets
+        self.base64 = put(c["base"], torch.float64)
+        self.base32 = put(c["base"].astype(np.float32), torch.float32)
+        self.thermostat = put(c["thermostat"] > 0, torch.bool)
+        decays = (c["decay_after"] >= 0) & (c["half_life"] > 0)  # an empty row's zeros: no decay
+        self.decay_after = put(np.where(decays, c["decay_after"], np.inf), torch.float64)
+        self.half_life = put(np.where(decays, c["half_life"], 1.0), torch.float64)
+        # an empty row's zeros become harmless ones (its λ comes from its zero base, never from here)
+        window = np.where(c["drift_window"] > 0, c["drift_window"], 1.0).astype(np.float32)
+        self.window = put(window, torch.float32)
+        # the window holds min(window, step) generated tokens, or `window` tokens of the text
+        self.window_reach = put(np.where(c["drift_text"] > 0, np.inf, 0.0).astype(np.float32), torch.float32)
+        share = np.where(c["drift_share"] > 0, c["drift_share"], 1.0).astype(np.float32)
+        self.drift_gain = put(c["drift_gain"].astype(np.float32), torch.float32)
+        # 1 − (1 − off) / share = off / share + (1 − 1 / share)
+        self.drift_scale = put(np.float32(1.0) / share, torch.float32)
+        self.drift_shift = put(np.float32(1.0) - np.float32(1.0) / share, torch.float32)
+        self.zero = torch.zeros(len(budget), dtype=torch.float32, device=dev)
+        self.max_target = put(c["max_target"].astype(np.float32), torch.float32)
+        low, high = c["entropy_low"].astype(np.float32), c["entropy_high"].astype(np.float32)
+        self._gate = (low, np.where(high > low, high - low, np.float32(1.0)))
+        self._gate_by_vocab: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # host-side: which rules run, and the solver's sizes
+        thermo = c["thermostat"] > 0
+        self.host_thermostat = thermo
+        self.any_thermostat, self.all_thermostat = bool(thermo.any()), bool(thermo.all())
+        self.any_decay = bool(decays.any())
+        self.iterations = c["iterations"][thermo].astype(np.int64)
+        self.candidates = c["candidates"][thermo].astype(np.int64)
+        self.row_iterations = put(c["iterations"], torch.int64)
+        self.row_candidates = put(c["candidates"], torch.int64)
+
+    def gate(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shift, scale)`` of the entropy gate for ``vocab``: ``gate = clip(shift + H·scale, 0, 1)``, which is
+        ``(H / log V − entropy_low) / (entropy_high − entropy_low)``."""
+        pair = self._gate_by_vocab.get(vocab)
+        if pair is None:
+            low, span = self._gate
+            log_v = np.float32(math.log(max(vocab, 2)))
+            dev = self.window.device
+            pair = (
+                torch.as_tensor(-low / span).to(dev),
+                torch.as_tensor(np.float32(1.0) / (span * log_v)).to(dev),
+            )
+            self._gate_by_vocab[vocab] = pair
+        return pair
+
+
+def _first_step_at(fraction: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """The first whole step ``s`` with ``s / budget >= fraction`` (float64, as the division rounds)."""
+    s = np.ceil(fraction * budget)
+    s = np.where((s > 0) & ((s - 1) / budget >= fraction), s - 1, s)
+    return np.where(s / budget < fraction, s + 1, s)
 
 
 def _row(**values: float) -> np.ndarray:
@@ -120,62 +194,65 @@ def _row(**values: float) -> np.ndarray:
 
 
 def phase_value(
-    step: torch.Tensor, budget: torch.Tensor, p: Columns, values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    step: torch.Tensor, rs: RowSchedule, values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """The value of each row's phase: ``values[0]`` before ``explore_until`` × budget, ``values[2]`` from
-    ``strict_from`` × budget on, ``values[1]`` between. Without a budget (0): explore for ``explore_steps``,
-    then converge; never strict. All ``[R]``; float64, so boundaries match Python floats exactly."""
-    step = step.to(torch.float64)
-    budget = budget.to(torch.float64)
+    """Each row's phase value at ``step`` from ``values`` (explore, converge, strict; each ``[R]``).
+
+    With a budget, explore lasts while ``step / budget < explore_until`` and strict starts once
+    ``step / budget >= strict_from``; without one (budget 0), explore lasts ``explore_steps`` steps and
+    strict never starts.
+    """
     explore, converge, strict = values
-    frac = step / budget.clamp_min(1.0)
-    with_budget = torch.where(frac < p.explore_until, explore, torch.where(frac >= p.strict_from, strict, converge))
-    without = torch.where(step < p.explore_steps, explore, converge)
-    return torch.where(budget > 0, with_budget, without)
+    return torch.where(step >= rs.strict_start, strict, torch.where(step >= rs.explore_end, converge, explore))
 
 
-def decay_factor(step: torch.Tensor, p: Columns) -> torch.Tensor:
-    """``0.5 ** ((step − decay_after) / half_life)`` once a row is past ``decay_after`` (≥ 0), else 1."""
-    step = step.to(torch.float64)
-    after = p.decay_after
-    decays = (after >= 0) & (step > after)
-    return torch.where(decays, 0.5 ** ((step - after) / p.half_life), torch.ones_like(step))
+def decay_factor(step: torch.Tensor, rs: RowSchedule) -> torch.Tensor:
+    """``0.5 ** ((step − decay_after) / half_life)`` once a row is past ``decay_after``, else 1 (float64)."""
+    past = (step.to(torch.float64) - rs.decay_after).clamp_min(0.0)
+    return 0.5 ** (past / rs.half_life)
 
 
-def scheduled_strength(step: torch.Tensor, budget: torch.Tensor, p: Columns) -> torch.Tensor:
+def scheduled_strength(step: torch.Tensor, rs: RowSchedule) -> torch.Tensor:
     """λ of the ``constant`` and ``phases`` schedules: ``base × phase multiplier × decay`` (float64 ``[R]``)."""
-    scale = phase_value(step, budget, p, (p.explore, p.converge, p.strict)) * decay_factor(step, p)
-    return p.base * scale
+    scale = phase_value(step, rs, rs.phase64)
+    if rs.any_decay:
+        scale = scale * decay_factor(step, rs)
+    return rs.base64 * scale
 
 
-def off_topic_share(recent: torch.Tensor, on: torch.Tensor, step: torch.Tensor, p: Columns) -> torch.Tensor:
+_POSITIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def off_topic_share(on: torch.Tensor, step: torch.Tensor, rs: RowSchedule) -> torch.Tensor:
     """Per row, the share of its ``drift_window`` taken by tokens off the narrative.
 
-    ``recent [R, L]`` are each row's last tokens (``L`` ≥ every window; no token: any id, ``on`` False),
-    ``on [R, L]`` whether each is on the narrative. With ``drift_text`` 0 the window holds generated tokens
-    only, and before the window is full the missing tokens count as on the narrative; with ``drift_text`` 1
-    it is the text's last tokens, prompt included, and positions before the text count as off.
+    ``on [R, L]`` says whether each of the row's last ``L`` tokens (``L`` ≥ every window; oldest first) is
+    on the narrative (no token: False). With ``drift_text`` 0 the window holds generated tokens only, and
+    before the window is full the missing tokens count as on the narrative; with ``drift_text`` 1 it is the
+    text's last tokens, prompt included, and positions before the text count as off.
     """
-    width = recent.shape[1]
-    window = p.drift_window.to(torch.float32)
-    k = torch.where(p.drift_text > 0, window, torch.minimum(window, step.to(torch.float32)))
-    pos = torch.arange(width, device=recent.device, dtype=torch.float32)
-    in_window = pos[None, :] >= (width - k)[:, None]
-    on_in = (on & in_window).sum(dim=-1).to(torch.float32)
-    return (k - on_in) / window
+    width = on.shape[1]
+    key = (width, on.device)
+    pos = _POSITIONS.get(key)
+    if pos is None:  # each position's distance from the newest token, plus one
+        pos = _POSITIONS[key] = torch.arange(width, 0, -1, device=on.device, dtype=torch.float32)
+    k = torch.clamp(step.to(torch.float32) + rs.window_reach, max=rs.window)
+    on_in = (on & (pos <= k[:, None])).sum(dim=-1)
+    return (k - on_in) / rs.window
 
 
 def thermostat_target(
-    step: torch.Tensor, budget: torch.Tensor, p: Columns, entropy: torch.Tensor, vocab: int, off: torch.Tensor
+    step: torch.Tensor, rs: RowSchedule, entropy: torch.Tensor, vocab: int, off: torch.Tensor
 ) -> torch.Tensor:
     """The target narrative mass per row (see :class:`ThermostatController`): phase, drift, decay, entropy gate."""
-    base = phase_value(step, budget, p, (p.explore, p.converge, p.strict)).to(torch.float32)
-    drift = p.drift_gain.float() * (1.0 - (1.0 - off) / p.drift_share.float()).clamp(0.0, 1.0)
-    h = entropy.float() / math.log(max(vocab, 2))
-    low, high = p.entropy_low.float(), p.entropy_high.float()
-    gate = ((h - low) / (high - low)).clamp(0.0, 1.0)
-    decay = decay_factor(step, p).to(torch.float32)
-    return torch.minimum(((base + drift) * decay * gate).clamp_min(0.0), p.max_target.float())
+    base = phase_value(step, rs, rs.phase32)
+    drift = rs.drift_gain * torch.addcmul(rs.drift_shift, off, rs.drift_scale).clamp(0.0, 1.0)
+    shift, scale = rs.gate(vocab)
+    gate = torch.addcmul(shift, entropy, scale).clamp(0.0, 1.0)
+    target = base + drift
+    if rs.any_decay:
+        target = target * decay_factor(step, rs).to(torch.float32)
+    return torch.clamp(target * gate, min=rs.zero, max=rs.max_target)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,38 +291,40 @@ class MassProblem:
     ) -> None:
         self.p, self.entropy = probs, entropy
         b = probs.shape[0]
-        p_s = probs
         a = field.to(device=probs.device, dtype=torch.float32).expand(b, -1)
-        pos = (a > 0).float()
-        mass0 = (p_s * pos).sum(-1)
-        self.alive = ~torch.isnan(mass0)
-        self.mass0 = torch.nan_to_num(mass0, nan=0.0)
-        p_s = torch.nan_to_num(p_s, nan=0.0)
+        self.mass0 = (probs * (a > 0)).sum(-1)  # NaN for rows without a finite logit (or with a NaN one)
         width = a.shape[1]
         k_max = min(candidates, width)  # a host int: no device read to learn the widest row
         if k_max >= width and columns is None:
-            q, a_c, pos_c = p_s, a, pos
+            q, a_c = probs, a
         else:
             idx = columns[:, :k_max] if columns is not None else torch.topk(a.abs(), k_max, dim=-1).indices
-            q = p_s.gather(1, idx)
+            q, a_c = probs.gather(1, idx), a.gather(1, idx)
             if row_candidates is not None:  # rows that asked for fewer candidates drop the rest
                 q = q * (torch.arange(k_max, device=a.device)[None] < row_candidates.to(a.device)[:, None])
-            a_c, pos_c = a.gather(1, idx), pos.gather(1, idx)
-        if not (k_max >= width and complete and columns is None):
-            # the probability outside the candidates is a constant of the solver: one more column with a = 0
-            out_pos = (self.mass0 - (q * pos_c).sum(-1)).clamp_min(0.0)
-            out_all = (self.alive.float() - q.sum(-1)).clamp_min(0.0)
-            q = torch.cat([q, out_all[:, None]], dim=1)
-            pos_c = torch.cat([pos_c, (out_pos / out_all.clamp_min(1e-30))[:, None]], dim=1)
-            a_c = torch.cat([a_c, torch.zeros_like(a_c[:, :1])], dim=1)
-        self.q = torch.stack([q * pos_c, q], dim=1)  # [R, 2, K]: numerator and denominator weights
+        self.num = torch.where(a_c > 0, q, 0.0)  # [R, K]: the weights of m(λ)'s numerator and denominator
+        self.den = q
         self.a = a_c
+        # the probability outside the candidates is a constant of the solver (a = 0 there)
+        self.outside = not (k_max >= width and complete and columns is None)
+
+    @property
+    def alive(self) -> torch.Tensor:
+        """``[R]`` bool: the row's softmax is finite (it has a finite logit, and no NaN or ``+inf``)."""
+        return ~torch.isnan(self.mass0)
+
+    def _outside(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The numerator's and the denominator's probability outside the candidates (``[R]`` each)."""
+        if not self.outside:
+            return torch.zeros_like(self.mass0), torch.zeros_like(self.mass0)
+        return (self.mass0 - self.num.sum(-1)).clamp_min(0.0), (1.0 - self.den.sum(-1)).clamp_min(0.0)
 
     def mass(self, lam: torch.Tensor) -> torch.Tensor:
         """``m(λ)`` for one λ per row (``[R]``); 0 for rows without a finite logit."""
         w = torch.exp(lam[:, None] * self.a)  # [R, K]
-        s = (w.unsqueeze(1) * self.q).sum(-1)  # [R, 2]; an elementwise product beats bmm at this shape on CPUs
-        return (s[:, 0] / s[:, 1].clamp_min(1e-30)).clamp_max(1.0)
+        out_num, out_den = self._outside()
+        num, den = (w * self.num).sum(-1) + out_num, (w * self.den).sum(-1) + out_den
+        return torch.nan_to_num(num / den.clamp_min(1e-30), nan=0.0).clamp_max(1.0)
 
     def solve(
         self,
@@ -253,29 +332,63 @@ class MassProblem:
         max_strength: torch.Tensor,
         iterations: int,
         row_iterations: torch.Tensor | None = None,
+        *,
+        bits: int | None = None,
     ) -> torch.Tensor:
-        """The smallest λ ∈ [0, λ_max] per row whose mass reaches ``target`` (vectorized bisection).
+        """The smallest λ on the grid ``λ_max · j / 2^iterations`` (``j = 1 … 2^iterations``) per row whose mass
+        reaches ``target``: what ``iterations`` steps of bisection on ``[0, λ_max]`` return.
 
-        ``m(λ)`` is non-decreasing, so a fixed number of ``iterations`` halves the bracket each time, with no
-        host synchronisation and no loop over rows. The returned λ is the upper end of the final bracket, so
-        its mass reaches the target. Rows already at the target get 0; rows where λ_max falls short get
-        λ_max; rows without a finite logit get 0. ``row_iterations`` (``[R]``, each ``≤ iterations``): a row
-        stops narrowing after its own count.
+        ``m(λ) ≥ t`` is ``Σ (num − t·den)·e^{λa} ≥ 0``, one weighted sum per λ; ``m`` is non-decreasing, so
+        a coarse grid of λ values, all evaluated in one batched product, finds the bracket, and finer grids
+        inside it find the grid point. Each level reads a few bits of ``j`` at once: far fewer tensor
+        operations than bisection's one bit per pass, with no host synchronisation and no loop over rows.
+        Rows already at the target get 0; rows where λ_max falls short get λ_max; rows without a finite
+        logit get 0. ``row_iterations`` (``[R]``, each ``≤ iterations``): a row's own, coarser grid.
+        ``bits``: grid points per level are ``2^bits`` (default: by the problem's size); the answer does not
+        depend on it.
         """
-        hi = max_strength.to(torch.float32).clone()
-        lo = torch.zeros_like(hi)
-        for i in range(iterations):
-            mid = 0.5 * (lo + hi)
-            reached = self.mass(mid) >= target
-            if row_iterations is not None:
-                live = row_iterations > i
-                hi = torch.where(reached & live, mid, hi)
-                lo = torch.where(~reached & live, mid, lo)
-            else:
-                hi = torch.where(reached, mid, hi)
-                lo = torch.where(reached, lo, mid)
-        done = (self.mass0 >= target) | ~self.alive
-        return torch.where(done, torch.zeros_like(hi), hi)
+        r, k = self.a.shape
+        weights = torch.addcmul(self.num, target[:, None], self.den, value=-1.0)  # [R, K]
+        # m(λ) ≥ t is Σ_K weights·e^{λa} ≥ −(the same sum outside the candidates, where a = 0), and that
+        # is t·(1 − Σ_K den) − (m(0) − Σ_K num) = t − m(0) + Σ_K weights
+        floor = (target - self.mass0 + weights.sum(-1)) if self.outside else torch.zeros_like(target)
+        floor, weights = floor[:, None, None], weights[:, :, None]
+        a = self.a[:, None, :]
+        if bits is None:  # few λ per level while a level's work is small next to a tensor operation's overhead
+            bits = 7 if r * k <= 2048 else 3 if r * k <= 65536 else 2
+        dtype = torch.float32 if iterations <= 24 else torch.float64
+        lam_max = max_strength.to(dtype)
+        lo = torch.zeros(r, dtype=dtype, device=self.a.device)  # the largest grid point known to fall short
+        done_bits = 0
+        while done_bits < iterations:
+            n = min(bits, iterations - done_bits)
+            done_bits += n
+            unit = lam_max * 0.5**done_bits
+            lam = torch.addcmul(lo[:, None], unit[:, None], _steps(2**n, dtype, lo.device))  # [R, g]
+            s = torch.bmm(torch.exp(lam[:, :, None].float() * a), weights)  # [R, g, 1]
+            # the bracket's top point reaches the target (it did on the level before); where even λ_max
+            # falls short, every level stops below the top and λ ends at λ_max
+            below = torch.sum(s < floor, dim=(1, 2), dtype=dtype).clamp_max(2**n - 1)
+            lo = torch.addcmul(lo, unit, below)
+        unit = lam_max * 0.5**iterations
+        lam = lo + unit
+        if row_iterations is not None:  # a coarser grid: round up to a multiple of 2^(iterations − own) units
+            d = torch.exp2((iterations - row_iterations.to(dtype)).clamp_min(0)) * unit
+            lam = torch.ceil(lam / d) * d
+        # rows already at the target, and rows without a finite logit (NaN mass), get 0
+        return torch.where(self.mass0 < target, lam.float(), 0.0)
+
+
+_STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _steps(g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[1, 2, …, g]`` (cached)."""
+    key = (g, dtype, device)
+    steps = _STEPS.get(key)
+    if steps is None:
+        steps = _STEPS[key] = torch.arange(1, g + 1, dtype=dtype, device=device)
+    return steps
 
 
 def _check_iterations(iterations: int) -> int:
@@ -461,16 +574,15 @@ class ScheduleController:
         table[:, _COL["base"]] = self._bases(batch_size)
         return table
 
-    def _columns(self, ctx: StepContext) -> tuple[Columns, torch.Tensor, torch.Tensor]:
+    def _rows_at(self, ctx: StepContext) -> tuple[RowSchedule, torch.Tensor]:
+        """Every row's schedule and step for a call on one :class:`StepContext`."""
         b = ctx.batch_size
-        cols = Columns(torch.from_numpy(self.schedule(b)))
-        step = torch.full((b,), ctx.step, dtype=torch.int64)
-        budget = torch.full((b,), ctx.max_new_tokens or 0, dtype=torch.int64)
-        return cols, step, budget
+        rs = RowSchedule(self.schedule(b), np.full(b, ctx.max_new_tokens or 0), ctx.device)
+        return rs, torch.full((b,), ctx.step, dtype=torch.int64, device=ctx.device)
 
     def __call__(self, ctx: StepContext) -> torch.Tensor:
-        cols, step, budget = self._columns(ctx)
-        return scheduled_strength(step, budget, cols).to(device=ctx.device, dtype=torch.float32)
+        rs, step = self._rows_at(ctx)
+        return scheduled_strength(step, rs).to(device=ctx.device, dtype=torch.float32)
 
 
 class ConstantController(ScheduleController):
@@ -531,9 +643,8 @@ class PhaseScheduleController(ScheduleController):
 
     def scale(self, step: int, max_new_tokens: int | None) -> float:
         """The multiplier on the base λ at ``step`` (:func:`phase_value` × :func:`decay_factor`)."""
-        cols = Columns(torch.from_numpy(_row(**self.row(), base=1.0)[None]))
-        lam = scheduled_strength(torch.tensor([step]), torch.tensor([max_new_tokens or 0]), cols)
-        return float(lam[0])
+        rs = RowSchedule(_row(**self.row(), base=1.0)[None], np.array([max_new_tokens or 0]))
+        return float(scheduled_strength(torch.tensor([step]), rs)[0])
 
 
 class ThermostatController(ScheduleController):
@@ -674,15 +785,8 @@ class ThermostatController(ScheduleController):
 
     def phase_target(self, step: int, max_new_tokens: int | None) -> float:
         """The phase part of the target at ``step`` (:func:`phase_value` of the targets)."""
-        cols = Columns(torch.from_numpy(_row(**self.row())[None]))
-        return float(
-            phase_value(
-                torch.tensor([step]),
-                torch.tensor([max_new_tokens or 0]),
-                cols,
-                (cols.explore, cols.converge, cols.strict),
-            )
-        )
+        rs = RowSchedule(_row(**self.row())[None], np.array([max_new_tokens or 0]))
+        return float(phase_value(torch.tensor([step]), rs, rs.phase64)[0])
 
     def off_topic_share(self, ctx: StepContext) -> torch.Tensor:
         """Per row, the share of the drift window off the narrative (:func:`off_topic_share`)."""
@@ -699,9 +803,9 @@ class ThermostatController(ScheduleController):
         v = on_src.shape[-1]
         ids = recent.clamp(0, v - 1)
         on = on_src[ids] if on_src.dim() == 1 else on_src.gather(1, ids)
-        on = on & (recent >= 0) & (recent < v)
-        cols, step, _ = self._columns(ctx)
-        return off_topic_share(recent, on, step.to(recent.device), cols).to(ctx.device)
+        on = (on & (recent >= 0) & (recent < v)).to(ctx.device)
+        rs, step = self._rows_at(ctx)
+        return off_topic_share(on, step, rs)
 
     def drift(self, ctx: StepContext) -> torch.Tensor:
         """Per row, how far the recent tokens are from the narrative: ``clip(1 − s / drift_share, 0, 1)``."""
@@ -718,9 +822,9 @@ class ThermostatController(ScheduleController):
         return MassProblem(p, entropy, ctx.field, True, self.candidates)
 
     def _target(self, ctx: StepContext, prob: MassProblem) -> torch.Tensor:
-        cols, step, budget = self._columns(ctx)
+        rs, step = self._rows_at(ctx)
         off = self.off_topic_share(ctx).to(prob.entropy.device)
-        return thermostat_target(step, budget, cols, prob.entropy, ctx.logits.shape[-1], off)
+        return thermostat_target(step, rs, prob.entropy, ctx.logits.shape[-1], off)
 
     def target(self, ctx: StepContext) -> torch.Tensor:
         """The target mass m* per row (``[B]``) for this step."""

@@ -116,8 +116,10 @@ def probabilities(logits: torch.Tensor, support: torch.Tensor | None = None) -> 
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     e = shifted.exp()
     z = e.sum(dim=-1, keepdim=True)
-    entropy = torch.log(z[:, 0]) - (e * shifted).nansum(dim=-1) / z[:, 0]
-    p = (e if support is None else e[:, support]) / z
+    p = e[:, support].div_(z) if support is not None else e / z
+    zz = z[:, 0]
+    # `shifted` is ours: reuse it for e·(l − max) rather than allocate another [R, V]
+    entropy = torch.log(zz) - shifted.mul_(e).nansum(dim=-1) / zz
     return p, torch.nan_to_num(entropy, nan=0.0).clamp_min(0.0)
 
 

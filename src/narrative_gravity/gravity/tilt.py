@@ -41,6 +41,8 @@ def apply_gravity(
     strength: torch.Tensor | float,
     mask: torch.Tensor | None = None,
     support: torch.Tensor | None = None,
+    *,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Pull ``logits [B, V]`` toward ``field`` with one strength per row.
 
@@ -54,23 +56,31 @@ def apply_gravity(
         support: ``[S]`` distinct token ids where ``field`` is given. Then the work is one copy of the
             logits plus a gather and a scatter over ``B × S`` entries instead of arithmetic over ``B × V``.
 
+        inplace: write into ``logits`` (an engine that hands its logits over, such as vLLM) instead of a copy.
+
     Returns:
-        A new ``[B, V]`` tensor. ``-inf`` entries stay ``-inf``.
+        A new ``[B, V]`` tensor (``logits`` itself with ``inplace``). ``-inf`` entries stay ``-inf``.
     """
     lam = _as_row_strength(strength, logits)
     field = field.to(logits.dtype)
     if support is not None:
-        out = logits.clone()
-        out[:, support] = out[:, support] + lam * field  # the support's ids are distinct
+        pull = (lam * field).expand(logits.shape[0], -1)
+        out = (logits if inplace else logits.clone()).index_add_(1, support, pull)  # the support's ids are distinct
     else:
         # One fused pass over [B, V]: no temporary λ·a.
         out = torch.add(logits, field, alpha=lam) if isinstance(lam, float) else torch.addcmul(logits, lam, field)
         if out.shape != logits.shape:
             raise ValueError(f"the field {tuple(field.shape)} does not broadcast to the logits {tuple(logits.shape)}")
+        if inplace:
+            out = logits.copy_(out)
     if mask is not None:
         finite = torch.isfinite(out)
         keeps_some = (finite & ~mask).any(dim=-1, keepdim=True)
-        out = out.masked_fill(mask & keeps_some, float("-inf"))
+        out = (
+            out.masked_fill_(mask & keeps_some, float("-inf"))
+            if inplace
+            else out.masked_fill(mask & keeps_some, float("-inf"))
+        )
     return out
 
 
