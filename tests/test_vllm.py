@@ -752,6 +752,64 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
+def test_vllm_backend_a_burst_of_seeded_long_prompts_all_finish(served: Any) -> None:
+    """Sampled rows are seeded, and vLLM's CPU engine fails (with every row in it) when it splits a seeded
+    prompt's prefill over steps: three 200-token prompts exceed one step of a 512-token budget together. On
+    the CPU the backend turns chunked prefill off, and paces the burst over steps (``prefill_tokens``)."""
+    import threading
+
+    from narrative_gravity.server.backend import Sampling
+
+    _, backend = served
+    scheduler = backend.engine.vllm_config.scheduler_config
+    assert scheduler.enable_chunked_prefill is False and scheduler.max_num_batched_tokens >= backend.max_context
+    long_ids = (backend.encode_text("The planet orbits a distant star. ") * 40)[:200]
+    rows = [
+        SimpleNamespace(
+            prompt_ids=long_ids, max_tokens=4, sampling=Sampling(temperature=0.8, seed=i), gravity=None, cancelled=False
+        )
+        for i in range(3)
+    ]
+    events: list[tuple[Any, str, Any]] = []
+    done = threading.Event()
+
+    def on_events(batch: list[tuple[Any, str, Any]]) -> None:
+        events.extend(batch)
+        if sum(kind != "token" for _, kind, _ in events) == len(rows):
+            done.set()
+
+    backend.submit(rows, on_events)
+    assert done.wait(300)
+    ends = [(kind, payload) for _, kind, payload in events if kind != "token"]
+    assert all(kind == "end" and stats.new_tokens == 4 for kind, stats in ends), ends
+    assert backend.in_flight() == (0, 0)
+
+
+def test_vllm_backend_paces_a_burst_by_prompt_tokens(served: Any) -> None:
+    """``prefill_tokens``: each engine step admits the oldest waiting rows up to that many prompt tokens, and
+    always at least one (a longer prompt goes alone); 0 admits everything that arrived."""
+    from collections import deque
+
+    from narrative_gravity.server.vllm import VLLMBackend
+
+    _, running_backend = served
+    backend = VLLMBackend(running_backend.llm, model_id="smollm2", prefill_tokens=100)  # its thread never starts
+
+    def rows(*lengths: int) -> deque[tuple[Any, Any]]:
+        return deque((SimpleNamespace(prompt_ids=[1] * n), None) for n in lengths)
+
+    backend._inbox = rows(40, 40, 40, 300, 10)
+    steps = []
+    while backend._inbox:
+        steps.append([len(row.prompt_ids) for row, _ in backend._arrivals()])
+    assert steps == [[40, 40], [40], [300], [10]]
+    backend.prefill_tokens = 0
+    backend._inbox = rows(40, 40, 40, 300, 10)
+    assert len(backend._arrivals()) == 5 and not backend._inbox
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
 def test_vllm_server_streams_each_tokens_stats_when_asked(served: Any) -> None:
     """``stream_options.include_trace`` on the vLLM engine: every streamed token carries λ, entropy and the masses
     the kernel measured at its step (the same records as on transformers), and the row ends with their means."""

@@ -575,6 +575,12 @@ def serve(
     max_semantic_cache_entries: Annotated[
         int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
     ] = 256,
+    prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            "--prefill-tokens", min=0, help="vLLM: new prompt tokens joining the batch per step (0: no limit)"
+        ),
+    ] = 512,
     read_timeout: Annotated[
         float, typer.Option("--read-timeout", min=0.001, help="seconds for request headers, or between body pieces")
     ] = 30.0,
@@ -612,6 +618,7 @@ def serve(
             api_key=api_key,
             max_batch_size=max_batch_size,
             batch_window_ms=batch_window_ms,
+            prefill_tokens=prefill_tokens,
             max_queue=max_queue,
             max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens,

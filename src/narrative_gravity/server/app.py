@@ -908,6 +908,7 @@ def serve(
         options = {
             "max_num_seqs": config.max_batch_size,
             "max_model_len": config.max_prompt_tokens + config.max_tokens_limit,
+            "prefill_tokens": config.prefill_tokens,
         }
     backend = make_backend(engine, model, device=device, **options)
     app = create_app(backend, config=config, store=profile_store)

@@ -48,6 +48,9 @@ class ServerConfig:
         max_words: the most words of one profile, all lists together.
         max_semantic_top_k: the largest ``field.semantic_top_k`` and ``thermostat.candidates`` a profile may ask for.
         max_semantic_cache_entries: semantic fields kept in the disk cache (least recently used are removed).
+        prefill_tokens: on the vLLM engine, the most new prompt tokens that join the running batch per engine
+            step (at least one request joins each step). A burst of requests then prefills over a few steps
+            and the first ones stream at once, instead of everyone waiting for one long prefill. 0: no limit.
         read_timeout_s: seconds a client may take to send its request headers, or between two pieces of its body.
         write_timeout_s: seconds a client may leave a response piece unread before the connection is dropped.
         keep_alive_s: seconds an idle keep-alive connection stays open.
@@ -71,6 +74,7 @@ class ServerConfig:
     max_words: int = 1024
     max_semantic_top_k: int = 5000
     max_semantic_cache_entries: int = 256
+    prefill_tokens: int = 512
     read_timeout_s: float = 30.0
     write_timeout_s: float = 60.0
     keep_alive_s: float = 5.0
@@ -93,6 +97,8 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"`{name}` has to be >= 1, but is {value!r}")
+        if isinstance(self.prefill_tokens, bool) or not isinstance(self.prefill_tokens, int) or self.prefill_tokens < 0:
+            raise ConfigurationError(f"`prefill_tokens` has to be >= 0 (0: no limit), but is {self.prefill_tokens!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigurationError(f"`port` has to be in [0, 65535], but is {self.port}")
         if not 0.0 <= self.batch_window_ms <= 10_000:

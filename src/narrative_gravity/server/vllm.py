@@ -97,7 +97,7 @@ class VLLMBackend(TokenizerText):
     name = "vllm"
     token_stats = True  # streams per-token λ, entropy, mass and KL for rows that ask (the processor's trace)
 
-    def __init__(self, llm: Any, *, model_id: str) -> None:
+    def __init__(self, llm: Any, *, model_id: str, prefill_tokens: int = 0) -> None:
         if not model_id:
             raise ConfigurationError("`model_id` is empty; give the name clients send as `model`")
         self.llm = llm
@@ -110,6 +110,7 @@ class VLLMBackend(TokenizerText):
         self.eos_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if i is not None)
         self._cv = threading.Condition()
         self._inbox: deque[tuple[GenerationRow, EventCallback]] = deque()
+        self.prefill_tokens = prefill_tokens  # new prompt tokens admitted per step (0: all that arrived)
         self._live: dict[str, _Live] = {}
         self._waiting = 0  # submitted rows without a token yet (in the inbox or the engine)
         self._thread: threading.Thread | None = None
@@ -125,10 +126,18 @@ class VLLMBackend(TokenizerText):
         max_num_seqs: int = 32,
         max_model_len: int = 2048,
         kv_cache_mb: int = 1024,
+        prefill_tokens: int = 512,
     ) -> VLLMBackend:
         """Start an in-process vLLM engine on a model (a name, a HF folder or a ``.gguf`` file, as ``--model``).
 
         ``max_num_seqs`` is the most rows decoding together in one step; more wait in the engine's queue.
+        ``prefill_tokens``: the most new prompt tokens admitted per engine step (0: no limit); see
+        :class:`~narrative_gravity.server.config.ServerConfig`.
+
+        On the CPU, vLLM cannot split a prompt's prefill over steps for a seeded request (its CPU random
+        generators have no offset to rewind; the engine fails with every row in it), and every sampled
+        request here is seeded. So on the CPU chunked prefill is off and one step can take the longest
+        prompt whole; the server paces bursts itself with ``prefill_tokens``.
         """
         try:
             from vllm import LLM
@@ -142,6 +151,14 @@ class VLLMBackend(TokenizerText):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
         folder = hf_folder(name)
         model_id = str(name) if name is not None else DEFAULT_MODEL
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 0:
+            raise ConfigurationError(f"`prefill_tokens` has to be >= 0 (0: no limit), but is {prefill_tokens!r}")
+        scheduling: dict[str, Any] = {}
+        if _on_cpu():
+            scheduling = {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, max_num_seqs),
+            }
         llm = LLM(
             model=str(folder),
             dtype="float32",
@@ -153,8 +170,9 @@ class VLLMBackend(TokenizerText):
             seed=0,
             disable_log_stats=False,  # vLLM's engine metrics for /metrics
             served_model_name=model_id,  # their `model_name` label
+            **scheduling,
         )
-        return cls(llm, model_id=model_id)
+        return cls(llm, model_id=model_id, prefill_tokens=prefill_tokens)
 
     # ------------------------------------------------------------------------------------------- gravity
 
@@ -258,8 +276,7 @@ class VLLMBackend(TokenizerText):
                     self._cv.wait()
                 if self._closing:
                     break
-                arrived = list(self._inbox)
-                self._inbox.clear()
+                arrived = self._arrivals()
             events: dict[EventCallback, list[tuple[GenerationRow, str, Any]]] = {}
             try:
                 self._admit(arrived, events)
@@ -280,6 +297,22 @@ class VLLMBackend(TokenizerText):
             self._stop_waiting()
         self._abort(list(self._live), events)
         self._report(events)
+
+    def _arrivals(self) -> list[tuple[GenerationRow, EventCallback]]:
+        """The rows that join at this step (the caller holds the lock): all that arrived, or with
+        ``prefill_tokens`` the oldest ones up to that many prompt tokens (at least one); the rest wait."""
+        if not self.prefill_tokens:
+            arrived = list(self._inbox)
+            self._inbox.clear()
+            return arrived
+        arrived, tokens = [], 0
+        while self._inbox:
+            n = len(self._inbox[0][0].prompt_ids)
+            if arrived and tokens + n > self.prefill_tokens:
+                break
+            arrived.append(self._inbox.popleft())
+            tokens += n
+        return arrived
 
     def _admit(self, arrived: list[tuple[GenerationRow, EventCallback]], events: dict[EventCallback, list]) -> None:
         from vllm.inputs import TokensPrompt
@@ -367,3 +400,10 @@ class VLLMBackend(TokenizerText):
                 on_events(batch)
             except Exception:  # a listener's bug must not stop the engine for everyone
                 log.exception("a token callback failed")
+
+
+def _on_cpu() -> bool:
+    """Whether this vLLM build runs its engine on the CPU (vLLM picks its device itself)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
