@@ -108,23 +108,10 @@ def probabilities(logits: torch.Tensor, support: torch.Tensor | None = None) -> 
     division of all of it. ``0·log 0`` counts as 0; a row that is all ``-inf`` gives NaN probabilities and
     entropy 0.
 
-    Rows go through in chunks of about 2^17 logits, so that the pass's temporaries stay in the CPU's cache.
-
     >>> p, h = probabilities(torch.zeros(1, 4), torch.tensor([0, 2]))
     >>> p.tolist(), round(float(h[0]), 4)  # uniform: log 4
     ([[0.25, 0.25]], 1.3863)
     """
-    rows = max(1, _CHUNK_LOGITS // max(logits.shape[1], 1))
-    if logits.shape[0] <= rows:
-        return _probabilities(logits, support)
-    parts = [_probabilities(chunk, support) for chunk in logits.split(rows)]
-    return torch.cat([p for p, _ in parts]), torch.cat([h for _, h in parts])
-
-
-_CHUNK_LOGITS = 2**17
-
-
-def _probabilities(logits: torch.Tensor, support: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     e = shifted.exp()
