@@ -210,9 +210,9 @@ def test_the_pull_goes_through_apply_gravity(tiny_tokenizer, monkeypatch):
 
     real = kernel_mod.apply_gravity
 
-    def spy(logits, field, strength, mask=None, support=None):
+    def spy(logits, field, strength, mask=None, support=None, **kwargs):
         calls.append(field.shape)
-        return real(logits, field, strength, mask, support)
+        return real(logits, field, strength, mask, support, **kwargs)
 
     monkeypatch.setattr(kernel_mod, "apply_gravity", spy)
     proc = _proc(tiny_tokenizer)

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from narrative_gravity.errors import ConfigurationError, ProfileError
 from narrative_gravity.gravity.schedule import (
     MAX_THERMOSTAT_STRENGTH,
+    MassProblem,
     StepContext,
     StrengthController,
     ThermostatController,
     solve_strength,
 )
-from narrative_gravity.gravity.thermo import Trace, measure
+from narrative_gravity.gravity.thermo import Trace, measure, probabilities
 from narrative_gravity.profile import Profile
 from narrative_gravity.steer import controller_from_profile, processor_from_profile
 
@@ -76,6 +77,45 @@ def test_reached_mass_meets_target_and_lambda_is_smallest(prob: tuple[torch.Tens
             assert m[r] >= t - 1e-5  # the target is reached ...
             below = dense_mass(logits[r : r + 1], field, (lam[r] - 1.01 * WIDTH).clamp_min(0).reshape(1))
             assert below[0] < t + 1e-5  # ... and no clearly smaller λ reaches it
+
+
+def _bisect(prob: MassProblem, target: torch.Tensor, lam_max: torch.Tensor, iterations: torch.Tensor) -> torch.Tensor:
+    """The reference: plain bisection on ``prob.mass``, each row for its own number of iterations."""
+    lo, hi = torch.zeros_like(lam_max), lam_max.clone()
+    for i in range(int(iterations.max())):
+        mid = 0.5 * (lo + hi)
+        reached = prob.mass(mid) >= target
+        live = iterations > i
+        hi = torch.where(reached & live, mid, hi)
+        lo = torch.where(~reached & live, mid, lo)
+    return torch.where(prob.mass(torch.zeros_like(hi)) >= target, 0.0, hi)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    problems(max_b=4, max_v=40),
+    st.floats(0.0, 0.95),
+    st.integers(1, 40),
+    st.lists(st.integers(1, 16), min_size=4, max_size=4),
+    st.sampled_from([1, 2, 3, 5, 7]),
+)
+def test_grid_solver_finds_the_point_bisection_finds(
+    prob: tuple[torch.Tensor, torch.Tensor], t: float, candidates: int, iterations: list[int], bits: int
+) -> None:
+    """Several bits of λ per batched evaluation give bisection's answer (on the same candidates, with the mass
+    outside them held constant), for any number of bits per level and per-row iteration counts; the two sum in
+    different orders, so a λ may differ by one grid step where the mass sits on the target."""
+    logits, field = prob
+    b = logits.shape[0]
+    p, entropy = probabilities(logits)
+    problem = MassProblem(p, entropy, field, True, candidates)
+    target, lam_max = torch.full((b,), t), torch.full((b,), LAM_MAX)
+    rows = torch.tensor(iterations[:b])
+    n = int(rows.max())
+    got = problem.solve(target, lam_max, n, None if (rows == n).all() else rows, bits=bits)
+    want = _bisect(problem, target, lam_max, rows)
+    unit = LAM_MAX / 2 ** rows.double()
+    assert ((got.double() - want.double()).abs() <= unit * 1.001).all(), (got, want)
 
 
 def test_feasible_exact_value() -> None:

@@ -46,7 +46,7 @@ from .schedule import (
     thermostat_target,
 )
 from .stages import StagePlan, advance_stages
-from .thermo import Measurement, measure, measure_from_probs, measure_on_support, probabilities
+from .thermo import Measurement, Workspace, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
 
 __all__ = ["GravityKernel", "Program", "StepResult"]
@@ -191,6 +191,7 @@ class GravityKernel:
         self.last_stage = np.zeros(n, dtype=np.int64)
         self._dev: dict[str, torch.Tensor] = {}
         self._plans: dict[bytes, _Plan] = {}
+        self._work = Workspace()
         self._dirty = True
         # per-row history on the device
         self.width = 1
@@ -500,7 +501,7 @@ class GravityKernel:
             if not rs.all_thermostat:
                 lam = scheduled_strength(step, rs).to(torch.float32)
             if rs.any_thermostat:
-                probs, entropy = probabilities(logits, None if bank.dense else support)  # [B, S]
+                probs, entropy = probabilities(logits, None if bank.dense else support, workspace=self._work)
                 columns = plan.columns if plan.columns is not None else bank.columns[frow]
                 prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
                 on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column

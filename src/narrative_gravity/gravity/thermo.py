@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "Measurement",
     "Trace",
+    "Workspace",
     "measure",
     "measure_from_probs",
     "measure_on_support",
@@ -101,20 +102,44 @@ def measure(
     return _measurement(entropy, mass, mass_after, kl, lam, logits.shape[0])
 
 
-def probabilities(logits: torch.Tensor, support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+class Workspace:
+    """Scratch ``[rows, V]`` float32 buffers kept from one step to the next, so that the whole-vocabulary pass
+    allocates nothing (a fresh buffer of megabytes each step costs page faults). Not thread-safe: one per
+    kernel."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A ``like``-shaped float32 buffer (``[R, V]``) on ``like``'s device; its contents are garbage."""
+        r, v = like.shape
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < r or buf.shape[1] != v or buf.device != like.device:
+            buf = torch.empty(max(r, 0 if buf is None else buf.shape[0]), v, device=like.device)
+            self._buffers[name] = buf
+        return buf[:r]
+
+
+def probabilities(
+    logits: torch.Tensor, support: torch.Tensor | None = None, *, workspace: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax, entropy)`` of ``logits [R, V]``, the softmax on ``support`` only when it is given (``[R, S]``).
 
     ``H = log Z − Σ e·(l − max) / Z`` with ``e = exp(l − max)``: one ``exp`` over the vocabulary, and no
     division of all of it. ``0·log 0`` counts as 0; a row that is all ``-inf`` gives NaN probabilities and
-    entropy 0.
+    entropy 0. ``workspace``: buffers for the pass's two ``[R, V]`` temporaries.
 
     >>> p, h = probabilities(torch.zeros(1, 4), torch.tensor([0, 2]))
     >>> p.tolist(), round(float(h[0]), 4)  # uniform: log 4
     ([[0.25, 0.25]], 1.3863)
     """
     logits = logits.float()
-    shifted = logits - logits.amax(dim=-1, keepdim=True)
-    e = shifted.exp()
+    if workspace is None:
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        e = shifted.exp()
+    else:
+        shifted = torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=workspace.get("shifted", logits))
+        e = torch.exp(shifted, out=workspace.get("exp", logits))
     z = e.sum(dim=-1, keepdim=True)
     p = e[:, support].div_(z) if support is not None else e / z
     zz = z[:, 0]
