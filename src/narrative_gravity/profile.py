@@ -141,7 +141,7 @@ class Thermostat(_Strict):
     entropy_high: float = Field(
         0.25, ge=0.0, le=1.0, description="normalized entropy at or above which the full target applies"
     )
-    iterations: int = Field(14, ge=1, le=64, description="bisection steps")
+    iterations: int = Field(14, ge=1, le=64, description="bits of the solver's λ grid (as many bisection steps)")
     candidates: int = Field(1024, ge=1, le=262144, description="field columns (largest |a|) used by the solver")
 
     @model_validator(mode="after")

@@ -428,8 +428,8 @@ def solve_strength(
     """The smallest λ ∈ [0, λ_max] per row whose pulled distribution has narrative mass ≥ ``target``.
 
     ``m(λ) = Σ_v softmax(logits + λ·a)_v · [a_v > 0]`` is non-decreasing in λ (pulled tokens rise, pushed
-    tokens sink), so a vectorized bisection finds it: a fixed number of ``iterations``, no host
-    synchronisation, no loop over rows (:class:`MassProblem`). Among all distributions with a given
+    tokens sink), so a search over the grid ``λ_max · j / 2^iterations`` finds it: a fixed number of batched
+    passes, no host synchronisation, no loop over rows (:class:`MassProblem`). Among all distributions with a given
     narrative mass, the exponential tilt with the smallest such λ is the cheapest in ``KL(p'‖p)`` along
     this family: the pull stops as soon as the mass is reached.
 
@@ -438,7 +438,7 @@ def solve_strength(
         field: ``[V]`` or ``[B, V]`` field values.
         target: the mass to reach, a float or ``[B]``.
         max_strength: λ_max, a float or ``[B]``.
-        iterations: bisection steps.
+        iterations: bits of λ's grid (what as many bisection steps would resolve).
         candidates: how many field columns (largest ``|a|``, per row) take part in each iteration.
 
     >>> import torch
