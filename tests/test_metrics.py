@@ -74,6 +74,31 @@ def test_distinct_is_a_fraction(texts: list[str], n: int) -> None:
 # penalized_hits
 
 
+def test_distinct_reads_text_without_spaces_per_character() -> None:
+    # the same as plain decoding's Chinese output in `ngrav compare`: no spaces, so one "word" per line before
+    varied = "二分查找每一步都把搜索范围减半，直到找到目标。"
+    looping = "减半减半减半减半减半减半"
+    assert distinct_n([varied], 2) > 0.9
+    assert distinct_n([looping], 2) == pytest.approx(2 / 11)
+    assert distinct_n(["binary 二分 search"], 1) == 1.0  # mixed: words and characters
+
+
+def test_eval_metrics_read_chinese() -> None:
+    from narrative_gravity.eval.metrics import repetition
+
+    assert repetition("减半减半减半", 2) == pytest.approx(1 - 2 / 5)
+    assert repetition("二分查找每一步", 2) == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(alphabet="abc xyz.,\n", max_size=30), min_size=1, max_size=4), st.integers(1, 3))
+def test_spaced_text_keeps_its_word_ngrams(texts: list[str], n: int) -> None:
+    """Text in scripts written with spaces is split exactly as before: on whitespace."""
+    grams = [tuple(t.split()[i : i + n]) for t in texts for i in range(len(t.split()) - n + 1)]
+    want = len(set(grams)) / len(grams) if grams else 0.0
+    assert distinct_n(texts, n) == want
+
+
 def test_penalized_hits_whole_words_case_insensitive() -> None:
     text = "A movie, then a Restaurant; movies too. MOVIE! moviegoer, film-movie"
     assert penalized_hits(text, ["movie"]) == 3  # "movie", "MOVIE", "film-movie"; not movies/moviegoer

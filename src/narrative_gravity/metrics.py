@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .fields import NarrativeField
+from .text import ngrams
 
 __all__ = ["distinct_n", "is_cjk", "mean_ci", "narrative_token_rate", "penalized_hits", "token_field_values"]
 
@@ -74,11 +75,15 @@ def penalized_hits(text: str, words: Iterable[str]) -> int:
 
 
 def distinct_n(texts: Iterable[str], n: int) -> float:
-    """Unique n-grams over all n-grams of whitespace-separated words, pooled over ``texts``."""
+    """Unique n-grams over all n-grams, pooled over ``texts``: n-grams of words, or of characters in scripts
+    written without spaces (:func:`~narrative_gravity.text.units`).
+
+    >>> round(distinct_n(["每一步都把范围减半，每一步都"], 2), 3)
+    0.769
+    """
     grams: list[tuple[str, ...]] = []
     for t in texts:
-        words = t.split()
-        grams.extend(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+        grams.extend(ngrams(t, n))
     return len(set(grams)) / len(grams) if grams else 0.0
 
 

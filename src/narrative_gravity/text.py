@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["STOPWORDS", "content_words", "stem", "word_set", "words"]
+__all__ = ["STOPWORDS", "content_words", "ngrams", "stem", "units", "word_set", "words"]
 
 
 def word_set(text: str) -> frozenset[str]:
@@ -52,6 +52,33 @@ def words(text: str) -> list[str]:
             w = w[:-2]
         out.append(w.strip("'-"))
     return [w for w in out if w]
+
+
+# Scripts written without spaces between words: CJK radicals, punctuation and ideographs, kana, fullwidth forms.
+_UNSPACED = "\u2e80-\u303f\u3040-\u30ff\u3100-\u312f\u3190-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
+_UNIT = re.compile(rf"[{_UNSPACED}\U00020000-\U0002fa1f]|[^\s{_UNSPACED}\U00020000-\U0002fa1f]+")
+
+
+def units(text: str) -> list[str]:
+    """The text's units for n-gram metrics: whitespace-separated words, and each character of a script written
+    without spaces (Chinese, Japanese), so that ``distinct-n`` and ``rep-n`` read those texts too.
+
+    >>> units("Binary search halves it.")
+    ['Binary', 'search', 'halves', 'it.']
+    >>> units("二分查找 is fast")
+    ['二', '分', '查', '找', 'is', 'fast']
+    """
+    return _UNIT.findall(text)
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The text's n-grams of :func:`units`.
+
+    >>> ngrams("每一步都减半", 2)[:2]
+    [('每', '一'), ('一', '步')]
+    """
+    u = units(text)
+    return [tuple(u[i : i + n]) for i in range(len(u) - n + 1)]
 
 
 def stem(word: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..metrics import is_cjk, token_field_values
+from ..text import ngrams
 
 __all__ = [
     "METRICS",
@@ -243,23 +244,18 @@ def contains_any(text: str, words: Iterable[str]) -> bool:
     return any(_word_pattern(w).search(text) for w in (" ".join(w.split()) for w in words) if w)
 
 
-def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
-    words = text.split()
-    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-
-
 def repetition(text: str, n: int) -> float:
     """rep-n: the share of the text's n-grams that repeat an earlier one, ``1 − unique/total`` (NaN if none).
 
     >>> repetition("a b a b a b", 2)
     0.6
     """
-    grams = _ngrams(text, n)
+    grams = ngrams(text, n)
     return 1.0 - len(set(grams)) / len(grams) if grams else NAN
 
 
 def _distinct(text: str, n: int) -> float:
-    grams = _ngrams(text, n)
+    grams = ngrams(text, n)
     return len(set(grams)) / len(grams) if grams else NAN
 
 
@@ -349,7 +345,8 @@ for _n in (1, 2, 3):
     register_metric(
         f"distinct_{_n}",
         higher_is_better=True,
-        description=f"distinct-{_n}: unique word {_n}-grams / all {_n}-grams within the text",
+        description=f"distinct-{_n}: unique {_n}-grams / all {_n}-grams within the text (of words; of characters "
+        "in scripts written without spaces)",
     )(lambda s, _n=_n: _distinct(s.text, _n))
 
 
