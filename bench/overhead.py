@@ -246,7 +246,7 @@ def breakdown(
             token = output_ids[:, prompt_len + c % new_tokens]
             timed("kernel.advance", lambda token=token: kernel.advance(token))
             _, result = timed("kernel.apply", lambda: kernel.apply(scores))
-            timed("nan check", lambda result=result: proc._check_nan(scores, prompt_len + c, result.finite))
+            timed("nan check", lambda result=result, c=c: proc._check_nan(scores, prompt_len + c, result.finite))
             timed("kernel.apply + thermometer", lambda: kernel.apply(scores, measure_step=True))
     return {k: median(v[16:]) for k, v in parts.items()}
 
