@@ -97,3 +97,14 @@ def tiny_model(tiny_tokenizer: Any) -> tuple[Any, Any]:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_model: tuple[Any, Any]) -> Any:
+    """The server's transformers backend on ``tiny_model`` (its tokenizer given a chat template), served as
+    model ``tiny``; one per test module."""
+    from narrative_gravity.server import HFBackend
+    from servers import with_chat_template
+
+    model, tokenizer = tiny_model
+    return HFBackend(model, with_chat_template(tokenizer), model_id="tiny")

@@ -32,18 +32,11 @@ from narrative_gravity.profile import Profile  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
 from narrative_gravity.server.playground import topic_profile  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
-from servers import RunningServer, with_chat_template  # noqa: E402
+from servers import RunningServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_model: tuple[Any, Any]) -> HFBackend:
-    model, tokenizer = tiny_model
-    tokenizer = with_chat_template(tokenizer)
-    return HFBackend(model, tokenizer, model_id=MODEL)
 
 
 @pytest.fixture(scope="module")

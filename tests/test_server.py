@@ -26,17 +26,10 @@ from narrative_gravity.fields import NarrativeField  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app, make_backend  # noqa: E402
 from narrative_gravity.server.hf import GroupedGravityLogitsProcessor  # noqa: E402
 from narrative_gravity.store import ProfileStore  # noqa: E402
-from servers import RunningServer, with_chat_template  # noqa: E402
+from servers import RunningServer  # noqa: E402
 
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_model: tuple[Any, Any]) -> HFBackend:
-    model, tokenizer = tiny_model
-    tokenizer = with_chat_template(tokenizer)
-    return HFBackend(model, tokenizer, model_id=MODEL)
 
 
 @pytest.fixture(scope="module")
