@@ -147,7 +147,6 @@ class RowSchedule:
         self._gate_by_vocab: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # host-side: which rules run, and the solver's sizes
         thermo = c["thermostat"] > 0
-        self.host_thermostat = thermo
         self.any_thermostat, self.all_thermostat = bool(thermo.any()), bool(thermo.all())
         self.any_decay = bool(decays.any())
         self.iterations = c["iterations"][thermo].astype(np.int64)
