@@ -20,7 +20,7 @@ from narrative_gravity.gravity.schedule import (
     ThermostatController,
     solve_strength,
 )
-from narrative_gravity.gravity.thermo import Trace, measure, probabilities
+from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
 from narrative_gravity.profile import Profile
 from narrative_gravity.steer import controller_from_profile, processor_from_profile
 
@@ -116,6 +116,11 @@ def test_grid_solver_finds_the_point_bisection_finds(
     want = _bisect(problem, target, lam_max, rows)
     unit = LAM_MAX / 2 ** rows.double()
     assert ((got.double() - want.double()).abs() <= unit * 1.001).all(), (got, want)
+    # a kept buffer (the kernel's) gives the same numbers, also when it was left larger by a bigger problem
+    work = Workspace()
+    work.shaped("solver", (b + 3, 2**bits, 64), logits.device).fill_(float("nan"))
+    kept = problem.solve(target, lam_max, n, None if (rows == n).all() else rows, bits=bits, workspace=work)
+    assert torch.equal(kept, got)
 
 
 def test_feasible_exact_value() -> None:

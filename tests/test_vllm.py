@@ -927,3 +927,16 @@ def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -
         alone = generator.generate([ids[i]], options, heavy, record_trace=True)[0]
         for key, values in alone.trace.items():
             assert both[i].trace[key] == pytest.approx(values, abs=1e-4), (i, key)
+
+
+def test_the_rows_of_one_seeded_call_sample_independently(generator: Any) -> None:
+    """Each request of a seeded call gets its own seed: the same prompt twice in one call writes two
+    different samples (one shared seed gave every row the same draws), and the call is reproducible."""
+    options = SamplingOptions(max_new_tokens=24, temperature=1.0, top_k=0, seed=7)
+    ids = generator.tokenizer("Once upon a time")["input_ids"]
+    first = [o.token_ids for o in generator.generate([ids, ids, ids], options)]
+    again = [o.token_ids for o in generator.generate([ids, ids, ids], options)]
+    assert first == again
+    assert len({tuple(t) for t in first}) == 3, first
+    # a call of one is the first row of a longer call with the same seed
+    assert generator.generate([ids], options)[0].token_ids == first[0]

@@ -224,7 +224,7 @@ class VLLMGenerator:
                 f"traces come from the engine running in this process, but {_MULTIPROCESSING}="
                 f"{os.environ[_MULTIPROCESSING]!r}; set {_MULTIPROCESSING}=0 or drop the trace"
             )
-        params = self.sampling_params(options, gravity_args(profile))
+        params = per_request(self.sampling_params(options, gravity_args(profile)), len(prompt_ids))
         recorder = _Recorder() if record_trace and profile is not None else None
         outputs = self._run(prompt_ids, params, recorder, on_finish)
         if recorder is not None:
@@ -272,7 +272,7 @@ class VLLMGenerator:
     def _run(
         self,
         prompt_ids: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Sequence[SamplingParams],
         recorder: _Recorder | None,
         on_finish: Callable[[int], None] | None,
     ) -> list[VLLMOutput]:
@@ -294,8 +294,8 @@ class VLLMGenerator:
             cls.on_step = hook
         t0 = time.perf_counter()
         try:
-            for rid, prompt in zip(ids, prompt_ids, strict=True):
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), params)
+            for rid, prompt, request_params in zip(ids, prompt_ids, params, strict=True):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), request_params)
                 live.add(rid)
             while live and engine.has_unfinished_requests():
                 for out in engine.step():
@@ -318,7 +318,7 @@ class VLLMGenerator:
                 engine.abort_request(list(live))
         return outputs
 
-    def _attach(self, outputs: list[VLLMOutput], recorder: _Recorder, params: SamplingParams) -> None:
+    def _attach(self, outputs: list[VLLMOutput], recorder: _Recorder, params: Sequence[SamplingParams]) -> None:
         """Give each output its trace. Output lists are matched by their tokens; requests whose outputs are
         equal but whose prompts differ (so their traces may differ) are run again one by one for theirs."""
         traces = recorder.traces()
@@ -335,9 +335,33 @@ class VLLMGenerator:
                 again.extend(rows)
         for i in again:
             alone = _Recorder()
-            self._run([outputs[i].prompt_ids], params, alone, None)
+            self._run([outputs[i].prompt_ids], [params[i]], alone, None)
             found = alone.traces().get(tuple(outputs[i].token_ids), [])
             outputs[i].trace = found[0] if found else None
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th request of a call seeded with ``seed``: well mixed, so that the rows of one
+    call sample independently (as the rows of one seeded transformers batch do), and reproducible.
+
+    >>> request_seed(0, 1) == request_seed(0, 1) != request_seed(0, 2)
+    True
+    """
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def per_request(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``params`` for each of ``n`` requests, each with its own :func:`request_seed` when ``params`` is seeded.
+    vLLM seeds each request's sampler with its own seed: one shared seed would give every row of a call the
+    same random draws, and rows that are not independent make narrower intervals than the data supports."""
+    if params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        clone = params.clone()
+        clone.seed = request_seed(params.seed, i)
+        out.append(clone)
+    return out
 
 
 def _kv_bytes(config: Any, max_num_seqs: int, max_model_len: int) -> int:

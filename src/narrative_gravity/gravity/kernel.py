@@ -156,6 +156,7 @@ class _Plan:
     row_candidates: torch.Tensor | None  # [B] when rows ask for different counts
     iterations: int
     row_iterations: torch.Tensor | None  # [B] when rows ask for different counts
+    said_index: torch.Tensor | None  # [B·S] the rows' support cells in the flat `said` table, with `repeat`
 
 
 class GravityKernel:
@@ -485,9 +486,8 @@ class GravityKernel:
         support = bank.support
         recent = self.recent[rows]
         a = self._field_rows(bank, frow, recent)  # [B, S]
-        if plan.repeat is not None:
-            said = self._said(vocab)
-            said = said[rows][:, support] if isinstance(rows, slice) else said[rows[:, None], support[None, :]]
+        if plan.repeat is not None and plan.said_index is not None:
+            said = self._said(vocab).view(-1).index_select(0, plan.said_index).view(b, -1)
             a = torch.where(said & (a > 0), a * plan.repeat.to(a.dtype), a)
         rs = plan.schedule
         step = self.step[rows]
@@ -506,7 +506,7 @@ class GravityKernel:
                 prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
                 on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
                 target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
-                solved = prob.solve(target, rs.base32, plan.iterations, plan.row_iterations)
+                solved = prob.solve(target, rs.base32, plan.iterations, plan.row_iterations, workspace=self._work)
                 finite = prob.alive
                 lam = solved if lam is None else torch.where(rs.thermostat, solved, lam)
         mask = None
@@ -540,6 +540,10 @@ class GravityKernel:
         k = min(int(rs.candidates.max(initial=1)), bank.columns.shape[1])
         n_iter = int(rs.iterations.max(initial=1))
         row_k = rs.candidates.clip(max=k)
+        said_index = None
+        if (repeat < 1.0).any():  # flat positions: one `index_select` a step instead of a 2-D fancy index
+            row_ids = torch.as_tensor(rows_np, dtype=torch.long, device=self.device)
+            said_index = (row_ids[:, None] * bank.pos_of.numel() + bank.support[None, :]).reshape(-1)
         plan = _Plan(
             schedule=rs,
             first=first,
@@ -552,6 +556,7 @@ class GravityKernel:
             row_candidates=None if (row_k == k).all() else rs.row_candidates.clamp_max(k),
             iterations=n_iter,
             row_iterations=None if (rs.iterations == n_iter).all() else rs.row_iterations,
+            said_index=said_index,
         )
         if len(self._plans) >= 8:
             self._plans.clear()
@@ -591,7 +596,7 @@ class GravityKernel:
     @staticmethod
     def _field_rows(bank: _Bank, frow: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
         """Each row's field on the support, ``[B, S]``: its field row, plus the continuations of its last tokens."""
-        a = bank.values[frow]
+        a = bank.values.index_select(0, frow)
         if bank.prefixes is not None:
             match = match_suffixes(recent, bank.prefixes) & (bank.entry_frow[None] == frow[:, None])  # [B, E]
             pieces = bank.next_pos[None].expand(a.shape[0], -1)

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import ConfigurationError
 from .field import last_tokens
-from .thermo import probabilities
+from .thermo import Workspace, probabilities
 
 __all__ = [
     "COLUMNS",
@@ -333,6 +333,7 @@ class MassProblem:
         row_iterations: torch.Tensor | None = None,
         *,
         bits: int | None = None,
+        workspace: Workspace | None = None,
     ) -> torch.Tensor:
         """The smallest λ on the grid ``λ_max · j / 2^iterations`` (``j = 1 … 2^iterations``) per row whose mass
         reaches ``target``: what ``iterations`` steps of bisection on ``[0, λ_max]`` return.
@@ -344,7 +345,8 @@ class MassProblem:
         Rows already at the target get 0; rows where λ_max falls short get λ_max; rows without a finite
         logit get 0. ``row_iterations`` (``[R]``, each ``≤ iterations``): a row's own, coarser grid.
         ``bits``: grid points per level are ``2^bits`` (default: by the problem's size); the answer does not
-        depend on it.
+        depend on it. ``workspace``: keeps the ``[R, 2^bits, K]`` grid buffer from one step to the next (a fresh
+        one of a megabyte each level can cost page faults).
         """
         r, k = self.a.shape
         weights = torch.addcmul(self.num, target[:, None], self.den, value=-1.0)  # [R, K]
@@ -364,7 +366,12 @@ class MassProblem:
             done_bits += n
             unit = lam_max * 0.5**done_bits
             lam = torch.addcmul(lo[:, None], unit[:, None], _steps(2**n, dtype, lo.device))  # [R, g]
-            s = torch.bmm(torch.exp(lam[:, :, None].float() * a), weights)  # [R, g, 1]
+            lam_a = lam[:, :, None].float()
+            if workspace is None:
+                grid = torch.exp(lam_a * a)
+            else:  # the same numbers, in a kept buffer
+                grid = torch.mul(lam_a, a, out=workspace.shaped("solver", (r, 2**n, k), a.device)).exp_()
+            s = torch.bmm(grid, weights)  # [R, g, 1]
             # the bracket's top point reaches the target (it did on the level before); where even λ_max
             # falls short, every level stops below the top and λ ends at λ_max
             below = torch.sum(s < floor, dim=(1, 2), dtype=dtype).clamp_max(2**n - 1)

@@ -18,6 +18,7 @@ get, per row:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,16 @@ class Workspace:
             self._buffers[name] = buf
         return buf[:r]
 
+    def shaped(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A contiguous float32 buffer of ``shape`` on ``device`` (any shape, from one flat buffer kept at its
+        largest size); its contents are garbage."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = torch.empty(max(n, 0 if buf is None else buf.numel()), device=device)
+            self._buffers[name] = buf
+        return buf[:n].view(shape)
+
 
 def probabilities(
     logits: torch.Tensor, support: torch.Tensor | None = None, *, workspace: Workspace | None = None
@@ -141,7 +152,7 @@ def probabilities(
         shifted = torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=workspace.get("shifted", logits))
         e = torch.exp(shifted, out=workspace.get("exp", logits))
     z = e.sum(dim=-1, keepdim=True)
-    p = e[:, support].div_(z) if support is not None else e / z
+    p = e.index_select(1, support).div_(z) if support is not None else e / z
     zz = z[:, 0]
     # `shifted` is ours: reuse it for e·(l − max) rather than allocate another [R, V]
     entropy = torch.log(zz) - shifted.mul_(e).nansum(dim=-1) / zz
