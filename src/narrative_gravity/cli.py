@@ -430,7 +430,12 @@ def reach(
 @app.command("eval")
 def eval_command(
     prompts: Annotated[
-        str, typer.Option("--prompts", help="`topics` (the PPLM/FUDGE set), a .txt file, or JSONL with `prompt`")
+        str,
+        typer.Option(
+            "--prompts",
+            help="`topics` (the PPLM/FUDGE set), `empath` (25 Empath subject topics, the test half), `topics-tune` / "
+            "`empath-tune` (tuning splits), a .txt file, or JSONL with `prompt`",
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")],
     profile: Annotated[
@@ -450,7 +455,7 @@ def eval_command(
     temperature: TempOpt = 1.0,
     raw: Annotated[
         bool | None,
-        typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topics)"),
+        typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topic sets)"),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")] = 8,
     model: ModelOpt = None,
@@ -475,9 +480,9 @@ def eval_command(
     """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.
 
     Control runs with the same seeds, batches and settings as every profile. `--profile auto` (with `--prompts
-    topics`, or JSONL prompts that carry a `topic` list) builds one profile per topic from the conditioning half
-    of its word list; the held-out half only scores. Results are appended as they are made: after Ctrl-C or a
-    kill, rerun the same command with `--resume`.
+    topics` or `empath`, or JSONL prompts that carry a `topic` list) builds one profile per topic from the
+    conditioning half of its word list; the held-out half only scores. Results are appended as they are made:
+    after Ctrl-C or a kill, rerun the same command with `--resume`.
 
     Examples:
 
@@ -495,10 +500,10 @@ def eval_command(
     if not profile and not report_only:
         _fail("give --profile FILE (repeat for several) or --profile auto")
     if not report_only:
-        from .eval.prompts import TOPICS, TOPICS_TUNE
+        from .eval.prompts import TOPIC_SETS
 
         _run_guarded(lambda: check_engine_arms(profile or [], engine))
-        if prompts not in (TOPICS, TOPICS_TUNE):
+        if prompts not in TOPIC_SETS:
             _read_text(Path(prompts), "--prompts")
         _check_output(out, "--out", folder=True)
         _check_model(model)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from .lexicon import load_empath
 from .metrics import METRICS, Metric, MetricContext, Sample, compute_metrics, get_metric, register_metric
 from .prompts import EvalPrompt, load_prompts, load_topics, split_wordlist
 from .report import build_summary, export_markdown, write_reports
@@ -27,6 +28,7 @@ __all__ = [
     "compute_metrics",
     "export_markdown",
     "get_metric",
+    "load_empath",
     "load_prompts",
     "load_topics",
     "paired_bootstrap",

@@ -16,6 +16,7 @@ narrative_gravity.errors.ConfigurationError: unknown metric 'topic_sucess'; did 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -28,12 +29,14 @@ from ..text import ngrams
 
 __all__ = [
     "METRICS",
+    "RARE_ZIPF",
     "Metric",
     "MetricContext",
     "Sample",
     "compute_metrics",
     "contains_any",
     "get_metric",
+    "rare_words",
     "register_metric",
     "repetition",
     "resolve_metrics",
@@ -41,6 +44,10 @@ __all__ = [
 ]
 
 NAN = float("nan")
+# `rare_success` counts a scoring word as rare below this Zipf frequency (wordfreq, English): log10 of its
+# frequency per billion words, so under 10 per million words: "the" is 7.73, "orbit" 4.03 (not rare),
+# "tarmac" 3.04 (rare).
+RARE_ZIPF = 4.0
 
 
 @dataclass
@@ -244,6 +251,24 @@ def contains_any(text: str, words: Iterable[str]) -> bool:
     return any(_word_pattern(w).search(text) for w in (" ".join(w.split()) for w in words) if w)
 
 
+@functools.lru_cache(maxsize=65536)
+def _zipf(word: str) -> float:
+    try:
+        from wordfreq import zipf_frequency
+    except ImportError:
+        raise ConfigurationError("metric rare_success needs wordfreq: pip install wordfreq==3.1.1") from None
+    return float(zipf_frequency(word, "en"))
+
+
+def rare_words(words: Iterable[str], threshold: float = RARE_ZIPF) -> tuple[str, ...]:
+    """The ``words`` whose English Zipf frequency (wordfreq) is below ``threshold``, in their order.
+
+    >>> rare_words(["the", "harbor", "tarmac", "seaweed"])
+    ('tarmac', 'seaweed')
+    """
+    return tuple(w for w in (" ".join(w.split()) for w in words) if w and _zipf(w) < threshold)
+
+
 def repetition(text: str, n: int) -> float:
     """rep-n: the share of the text's n-grams that repeat an earlier one, ``1 − unique/total`` (NaN if none).
 
@@ -289,6 +314,19 @@ def _topic_success(s: Sample) -> float:
     if not s.score_words:
         return NAN
     return 1.0 if contains_any(s.text, s.score_words) else 0.0
+
+
+@register_metric(
+    "rare_success",
+    higher_is_better=True,
+    description=f"1 if the text contains a rare scoring word (wordfreq Zipf frequency < {RARE_ZIPF:g}, i.e. under 10 "
+    "per million words), whole word, case-insensitive; undefined for prompts without a rare scoring word",
+)
+def _rare_success(s: Sample) -> float:
+    rare = rare_words(s.score_words)
+    if not rare:
+        return NAN
+    return 1.0 if contains_any(s.text, rare) else 0.0
 
 
 @register_metric(

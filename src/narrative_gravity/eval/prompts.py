@@ -1,4 +1,5 @@
-"""Prompt sets for ``ngrav eval``: a text file, JSONL, or the bundled PPLM/FUDGE topic protocol (``topics``).
+"""Prompt sets for ``ngrav eval``: a text file, JSONL, the PPLM/FUDGE topic protocol (``topics``) or the
+Empath topic sets (``empath``, ``empath-tune``; see :mod:`~narrative_gravity.eval.lexicon`).
 
 A JSONL line is an object with a string ``prompt`` and, optionally:
 
@@ -18,6 +19,10 @@ the profile.
 prompts, but the *conditioning* half is split again the same way (its even positions condition, its odd
 positions score). The held-out half of ``topics`` appears nowhere in it.
 
+``empath`` and ``empath-tune`` are the test and tuning topics of :mod:`~narrative_gravity.eval.lexicon`
+(subject categories of the Empath lexicon) × the same prefixes, each word list split by :func:`split_wordlist`.
+All four built-in sets (:data:`TOPIC_SETS`) are plain continuations by default.
+
 >>> split_wordlist(["planet ", "galaxy", "", "orbit", "Planet", "moon"])
 (('planet', 'orbit', 'moon'), ('galaxy',))
 """
@@ -34,18 +39,26 @@ from ..errors import ConfigurationError
 
 __all__ = [
     "BENCH_ENV",
+    "EMPATH",
+    "EMPATH_TUNE",
     "TOPICS",
     "TOPICS_TUNE",
+    "TOPIC_SETS",
     "EvalPrompt",
     "find_topics_folder",
     "limit_prompts",
     "load_prompts",
     "load_topics",
+    "read_prefixes",
     "split_wordlist",
 ]
 
 TOPICS = "topics"
 TOPICS_TUNE = "topics-tune"
+EMPATH = "empath"
+EMPATH_TUNE = "empath-tune"
+# The built-in topic sets: named, not files, and continued without the chat template unless --chat is given.
+TOPIC_SETS = (TOPICS, TOPICS_TUNE, EMPATH, EMPATH_TUNE)
 BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
 
 
@@ -110,14 +123,19 @@ def find_topics_folder() -> Path:
     )
 
 
+def read_prefixes(root: Path) -> list[str]:
+    """The prefixes of the topic protocol: the stripped, non-blank lines of ``root/prefixes.txt``, in order."""
+    prefixes = [p.strip() for p in (root / "prefixes.txt").read_text(encoding="utf-8").splitlines()]
+    return [p for p in prefixes if p]
+
+
 def load_topics(folder: str | os.PathLike[str] | None = None, *, tuning: bool = False) -> list[EvalPrompt]:
     """The PPLM/FUDGE protocol: every prefix × every topic (topics sorted by name, prefixes in file order).
 
     ``tuning=True`` gives the tuning split (see the module doc): the conditioning half split in two again.
     """
     root = Path(folder) if folder is not None else find_topics_folder()
-    prefixes = [p.strip() for p in (root / "prefixes.txt").read_text(encoding="utf-8").splitlines()]
-    prefixes = [p for p in prefixes if p]
+    prefixes = read_prefixes(root)
     lists = sorted((root / "wordlists").glob("*.txt"))
     if not prefixes or not lists:
         raise ConfigurationError(f"{root} has no prefixes or no word lists; expected prefixes.txt and wordlists/*.txt")
@@ -142,12 +160,19 @@ def _words(value: object, where: str, key: str) -> tuple[str, ...]:
 
 
 def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
-    """Load ``topics``, a ``.jsonl`` file (see the module doc) or a text file with one prompt per line."""
+    """Load a built-in set (``topics``, ``topics-tune``, ``empath``, ``empath-tune``), a ``.jsonl`` file (see
+    the module doc) or a text file with one prompt per line."""
     if str(source) in (TOPICS, TOPICS_TUNE):
         return load_topics(tuning=str(source) == TOPICS_TUNE)
+    if str(source) in (EMPATH, EMPATH_TUNE):
+        from .lexicon import load_empath  # imported here: lexicon builds on this module
+
+        return load_empath(tuning=str(source) == EMPATH_TUNE)
     path = Path(source)
     if not path.is_file():
-        raise ConfigurationError(f"prompt file {str(path)!r} does not exist; pass a .txt or .jsonl file, or `topics`")
+        raise ConfigurationError(
+            f"prompt file {str(path)!r} does not exist; pass a .txt or .jsonl file, `topics` or `empath`"
+        )
     lines = path.read_text(encoding="utf-8").splitlines()
     out: list[EvalPrompt] = []
     if path.suffix.lower() == ".jsonl":

@@ -41,7 +41,7 @@ from ..profile import TOPIC_DEFAULTS, Profile
 from ..steer import field_from_profile, program_from_profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
-from .prompts import TOPICS, TOPICS_TUNE, EvalPrompt, limit_prompts, load_prompts
+from .prompts import TOPIC_SETS, EvalPrompt, limit_prompts, load_prompts
 from .report import write_reports
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
@@ -58,9 +58,9 @@ AUTO_DEFAULTS: dict[str, Any] = TOPIC_DEFAULTS
 class EvalSettings:
     """Everything that decides what a run generates. A resumed run must use the same settings.
 
-    ``raw=None`` means: plain continuation for ``topics`` (the protocol continues prefixes), the chat
-    template otherwise. ``judge="none"`` turns the judge off (and with it ``judge_ppl``). ``engine`` is
-    ``hf`` (transformers) or ``vllm`` (see the module doc).
+    ``raw=None`` means: plain continuation for the built-in topic sets (``topics``, ``empath`` and their
+    tuning splits: the protocol continues prefixes), the chat template otherwise. ``judge="none"`` turns the
+    judge off (and with it ``judge_ppl``). ``engine`` is ``hf`` (transformers) or ``vllm`` (see the module doc).
     """
 
     prompts: str
@@ -93,7 +93,7 @@ class EvalSettings:
 
     @property
     def raw_mode(self) -> bool:
-        return self.raw if self.raw is not None else self.prompts in (TOPICS, TOPICS_TUNE)
+        return self.raw if self.raw is not None else self.prompts in TOPIC_SETS
 
     @property
     def judge_on(self) -> bool:
