@@ -19,14 +19,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from run_io import read_run, write_outputs
 
 from narrative_gravity.eval.metrics import MetricContext
 from narrative_gravity.eval.prompts import load_prompts
@@ -34,14 +33,6 @@ from narrative_gravity.eval.stats import bootstrap_ci, paired_bootstrap
 from narrative_gravity.models import load_tokenizer
 
 LABELS = {"control": "plain decoding", "auto": "topic default (thermostat)"}
-
-
-def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    manifest = json.loads((run / "run.json").read_text(encoding="utf-8"))
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    if not rows:
-        sys.exit(f"error: {run / 'results.jsonl'} has no rows; is the run finished?")
-    return manifest, rows
 
 
 def window_texts(tokenizer: Any, token_ids: list[int], window: int, n_windows: int) -> list[str | None]:
@@ -167,17 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error("--window has to be >= 1")
-    manifest, rows = load_run(args.run)
+    rows, manifest = read_run(args.run)
     n_windows, rel = relevance_by_window(rows, manifest, args.window, MetricContext())
     summary = summarize(n_windows, rel, rows, args.window)
     summary["run"] = {"settings": manifest["settings"], "rows": len(rows)}
-    print(markdown(summary))
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        plot(summary, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(summary, markdown(summary), args.json, args.plot, plot)
     return 0
 
 

@@ -18,22 +18,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from run_io import read_run, write_outputs
 
 from narrative_gravity.eval.stats import bootstrap_ci, paired_bootstrap
-
-
-def load(run: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    if not rows:
-        sys.exit(f"error: {run / 'results.jsonl'} has no rows; is the run finished?")
-    return rows
 
 
 def pairs(rows: list[dict[str, Any]], arm: str, metric: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -160,18 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the summary here")
     ap.add_argument("--plot", type=Path, default=None, help="write the per-topic plot here (PNG)")
     args = ap.parse_args(argv)
-    rows = load(args.run)
+    rows, _ = read_run(args.run)
     arms = {r["profile"] for r in rows}
     if "control" not in arms or args.arm not in arms:
         sys.exit(f"error: the run needs arms `control` and `{args.arm}`; it has {sorted(arms)}")
     summary = summarize(rows, args.arm)
-    print(markdown(summary))
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        plot(summary, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(summary, markdown(summary), args.json, args.plot, plot)
     return 0
 
 

@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from run_io import read_run, write_outputs
+
 from narrative_gravity.eval.judge import load_judge
 
 
@@ -29,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--batch", type=int, default=40, help="texts per judge call")
     args = ap.parse_args(argv)
-    lines = (args.run / "results.jsonl").read_text(encoding="utf-8").splitlines()
-    rows = [json.loads(line) for line in lines if line]
+    rows, _ = read_run(args.run)
     judge = load_judge()
     todo = [r for r in rows if r["text"].strip()]
     t0 = time.perf_counter()
@@ -52,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "stored_ratio_of_medians": statistics.median(stored["auto"]) / statistics.median(stored["control"]),
         "seconds": time.perf_counter() - t0,
     }
-    print(json.dumps(out, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    write_outputs(out, json.dumps(out, indent=2), args.json)
     return 0
 
 
