@@ -123,7 +123,7 @@ def markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(s: dict[str, Any], path: Path) -> None:
+def plot(s: dict[str, Any]) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,9 +141,7 @@ def plot(s: dict[str, Any], path: Path) -> None:
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,13 +27,19 @@ def write_outputs(
     table: str,
     json_path: Path | None,
     plot_path: Path | None = None,
-    plot: Callable[[dict[str, Any], Path], None] | None = None,
+    plot: Callable[[dict[str, Any]], Any] | None = None,
 ) -> None:
-    """Print ``table``, then write ``summary`` as JSON and the plot where asked."""
+    """Print ``table``, then write ``summary`` as JSON, and ``plot(summary)``'s matplotlib figure as a PNG, where
+    asked."""
     print(table)
     if json_path is not None:
         json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {json_path}")
     if plot_path is not None and plot is not None:
-        plot(summary, plot_path)
+        import matplotlib.pyplot as plt
+
+        fig = plot(summary)
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(plot_path, dpi=120)
+        plt.close(fig)
         print(f"wrote {plot_path}")
