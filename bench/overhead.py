@@ -91,13 +91,14 @@ def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
         Arm("plain", "no processor", lambda: None),
         Arm(
             "gravity",
-            f"ours: the profile's {profile.field.mode} field, {profile.schedule} schedule; thermometer off",
-            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens),
+            f"ours: the profile's {profile.field.mode} field, {profile.schedule} schedule; thermometer off; "
+            "in place, as ngrav runs it",
+            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens, inplace=True),
         ),
         Arm(
             "gravity+thermo",
-            "ours, thermometer on (trace=Trace())",
-            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens, trace=Trace()),
+            "ours, thermometer on (trace=Trace()), in place",
+            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens, trace=Trace(), inplace=True),
         ),
         Arm(
             "article",
@@ -198,7 +199,7 @@ def direct(
         logits = model(**enc).logits[:, -1, :].float().contiguous()
     steps = [output_ids[:, : prompt_len + s].contiguous() for s in range(new_tokens)]
     procs = {a.name: a.make() for a in arms if a.name != "plain"}
-    scores = {name: logits.clone() for name in procs}  # the article writes in place: one copy per arm
+    scores = {name: logits.clone() for name in procs}  # processors that pull in place: one copy per arm
     names = list(procs)
     rng = random.Random(seed)
     out: dict[str, list[float]] = {n: [] for n in names}
@@ -211,6 +212,7 @@ def direct(
             ids = steps[c % new_tokens]
             rng.shuffle(names)
             for n in names:
+                scores[n].copy_(logits)  # every call sees the model's logits (untimed)
                 t0 = time.perf_counter()
                 procs[n](ids, scores[n])
                 out[n].append(time.perf_counter() - t0)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narrative_gravity.errors import ConfigurationError, ProfileError
+from narrative_gravity.gravity import thermo
 from narrative_gravity.gravity.schedule import (
     MAX_THERMOSTAT_STRENGTH,
     MassProblem,
@@ -241,6 +242,44 @@ def test_solver_rejects_bad_arguments() -> None:
         solve_strength(logits, field, 0.5, 4.0, iterations=0)
     with pytest.raises(ConfigurationError, match="max_strength"):
         solve_strength(logits, field, 0.5, 500.0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    problems(max_b=7, max_v=40),
+    st.integers(1, 600),
+    st.sets(st.integers(0, 39), max_size=12),
+    st.sampled_from(["none", "-inf", "dead", "nan"]),
+)
+def test_the_pass_in_row_blocks_gives_the_numbers_of_one_pass(
+    prob: tuple[torch.Tensor, torch.Tensor], block_bytes: int, support: set[int], odd: str
+) -> None:
+    """On the CPU the whole-vocabulary pass runs in blocks of rows that fit the cache: any block size gives
+    exactly the numbers of one pass over all rows, with or without a support, a kept workspace, ``-inf``
+    logits, a row without a finite logit or a NaN one."""
+    logits, _ = prob
+    b, v = logits.shape
+    if odd == "-inf":
+        logits[:, : v // 2] = float("-inf")
+    elif odd == "dead":
+        logits[-1] = float("-inf")
+    elif odd == "nan":
+        logits[0, -1] = float("nan")
+    sup = torch.tensor(sorted(i for i in support if i < v), dtype=torch.long)
+    sup = sup if sup.numel() else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(thermo, "CPU_BLOCK_BYTES", 1 << 40)
+        assert thermo.block_rows(logits) == b
+        whole = probabilities(logits, sup)
+        mp.setattr(thermo, "CPU_BLOCK_BYTES", block_bytes)
+        rows = thermo.block_rows(logits)
+        assert 1 <= rows <= b
+        work = Workspace()
+        work.get("exp", torch.empty(b + 2, v)).fill_(float("nan"))  # a dirty, larger buffer is fine too
+        for got in (probabilities(logits, sup), probabilities(logits, sup, workspace=work)):
+            assert torch.equal(got[0].isnan(), whole[0].isnan())
+            assert torch.equal(got[0].nan_to_num(-1.0), whole[0].nan_to_num(-1.0))
+            assert torch.equal(got[1], whole[1])
 
 
 def test_input_is_not_modified() -> None:
@@ -558,3 +597,39 @@ def test_thermostat_generation_with_a_tiny_model(tiny_model: tuple[Any, Any]) ->
     # with a random model the steps are disordered: wherever λ < λ_max the target mass was reached
     reached = t["mass_after"][t["strength"] < 6.0 - 1e-3]
     assert reached.size and (reached >= 0.5 - 1e-4).all()
+
+
+@pytest.mark.parametrize("prune", [None, -0.5])
+def test_pulling_in_place_changes_nothing_but_the_copy(tiny_model: tuple[Any, Any], prune: float | None) -> None:
+    """``inplace=True`` (what ``ngrav`` runs) writes into the scores ``generate`` hands over and returns them: the
+    same tokens and the same trace as the copying default, with and without pruning (which measures on the
+    unpulled logits, so the kernel copies there)."""
+    model, tok = tiny_model
+    profile = Profile(
+        core_semantics=["planet", "orbit", "galaxy"],
+        schedule="thermostat",
+        thermostat={"entropy_low": 0.0, "entropy_high": 0.01},
+        prune_threshold=prune,
+    )
+    enc = tok(["The crew", "A small moon moves"], return_tensors="pt", padding=True)
+    runs = []
+    for inplace in (False, True):
+        trace = Trace()
+        proc = processor_from_profile(profile, tok, max_new_tokens=10, trace=trace, inplace=inplace)
+        out = model.generate(
+            **enc,
+            logits_processor=[proc],
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+        runs.append((out, trace.tensor()))
+        scores = torch.randn(2, len(tok))
+        before = scores.clone()
+        pulled = processor_from_profile(profile, tok, max_new_tokens=10, inplace=inplace)(enc.input_ids, scores)
+        assert (pulled is scores) == inplace
+        assert torch.equal(scores, pulled if inplace else before)
+        assert not torch.equal(pulled, before)  # it did pull
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])

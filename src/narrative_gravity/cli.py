@@ -242,7 +242,9 @@ def generate(
         def factory(budget: int, tr: Any) -> Any:
             if prof is None:
                 return None
-            return processor_from_profile(prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m)
+            return processor_from_profile(
+                prof, tok, max_new_tokens=budget, trace=tr, measure_only=no_gravity, model=m, inplace=True
+            )
 
         def batch(chunk: list[str], advance: Any) -> Any:
             return run(

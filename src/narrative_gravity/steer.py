@@ -160,12 +160,14 @@ def processor_from_profile(
     trace: Trace | None = None,
     measure_only: bool = False,
     model: Any = None,
+    inplace: bool = False,
 ) -> NarrativeGravityLogitsProcessor:
     """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``.
 
     The profile's :func:`program_from_profile`: its field, or its ``stages`` (whose shares divide
     ``max_new_tokens``). ``measure_only`` always measures against the profile's own field. ``model`` is
-    needed only for a semantic field built from the generator's own embeddings.
+    needed only for a semantic field built from the generator's own embeddings. ``inplace``: pull the scores
+    where they are (see :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor`).
     """
     program = program_from_profile(profile, tokenizer, model=model)
     if program.stages is not None and max_new_tokens is None and not measure_only:
@@ -181,4 +183,5 @@ def processor_from_profile(
         trace=trace,
         measure_only=measure_only,
         repeat_weight=program.repeat_weight,
+        inplace=inplace,
     )

@@ -52,8 +52,12 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
             :func:`narrative_gravity.plan.stage_plan`): each row pulls toward its current stage's field
             instead of ``field``; :attr:`stage` holds each row's stage after a call.
+        inplace: pull the scores where they are and return them, instead of a new tensor (saves a copy of
+            ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
+            so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
+            default; ``ngrav`` turns it on (narrative_gravity.steer.processor_from_profile's ``inplace``).
 
-    Scores are returned as a new tensor; the input is never modified.
+    By default scores are returned as a new tensor and the input is never modified.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         nan_check_every: int | None = None,
         repeat_weight: float = 1.0,
         stages: StagePlan | None = None,
+        inplace: bool = False,
     ) -> None:
         if stages is None and not isinstance(field, NarrativeField):
             raise ConfigurationError(
@@ -101,6 +106,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.trace = trace
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
+        self.inplace = bool(inplace)
         self._builtin = isinstance(controller, ScheduleController)
         schedule = controller.schedule(len(controller._rows))[0] if self._builtin else np.zeros(len(COLUMNS))
         self.program = Program(
@@ -222,7 +228,11 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 return self.controller(ctx)
 
         out, result = self.kernel.apply(
-            scores, measure_step=self.trace is not None, measure_only=self.measure_only, strength=strength
+            scores,
+            measure_step=self.trace is not None,
+            measure_only=self.measure_only,
+            strength=strength,
+            inplace=self.inplace,
         )
         self._check_nan(scores, step, result.finite)
         self.last_strength = result.strength

@@ -461,6 +461,7 @@ class _Runner:
                 max_new_tokens=self.s.max_new_tokens,
                 trace=Trace(),
                 model=self.model,
+                inplace=True,
             )
         # Control measures with the field of the chunk's first profile that builds (narrative mass in the
         # trace); with none, a zero field still records entropy.

@@ -471,7 +471,8 @@ class GravityKernel:
         ``0..B-1``). ``measure_step`` also measures entropy, narrative mass and KL; ``measure_only`` measures
         and leaves the logits as they are. ``strength`` replaces the schedules: a function of the dense
         ``[B, V]`` field of the step that returns ``[B]`` λ (a controller of the user's own). ``inplace``: the
-        engine hands its logits over, and they are pulled where they are (not with ``measure_step``).
+        engine hands its logits over, and they are pulled where they are (with ``measure_step``, only where
+        the measurement does not need the unpulled logits: the thermostat's steps without pruning).
         """
         b, vocab = logits.shape
         if rows is None:
@@ -518,7 +519,9 @@ class GravityKernel:
                 mask = (plan.threshold >= 0).expand(b, vocab).clone()
                 mask[:, support] = on_support
         sparse = None if bank.dense else support
-        inplace = inplace and not measure_step
+        # the measurement reads the unpulled logits, except where the thermostat's softmax already holds
+        # everything it needs (a field on a support, no pruning)
+        inplace = inplace and (not measure_step or (probs is not None and mask is None and not bank.dense))
         out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse, inplace=inplace)
         result = StepResult(strength=lam, finite=finite)
         if measure_step or measure_only:

@@ -253,6 +253,7 @@ class HFBackend(TokenizerText):
                 max_new_tokens=budget,
                 trace=trace,
                 model=self.model,
+                inplace=True,  # generate's own copy, or the group's gathered rows
             )
             pairs.append((torch.tensor(members, dtype=torch.long, device=self.device), processor))
             traced.append((members, trace))
