@@ -564,6 +564,18 @@ def test_profile_thermostat_errors(data: dict[str, Any], needle: str) -> None:
     assert needle in str(exc.value)
 
 
+def _greedy(model: Any, tok: Any, enc: Any, proc: Any, n: int) -> torch.Tensor:
+    """``n`` greedy tokens exactly, with ``proc`` as the only processor."""
+    return model.generate(
+        **enc,
+        logits_processor=[proc],
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
 def test_thermostat_generation_with_a_tiny_model(tiny_model: tuple[Any, Any]) -> None:
     model, tok = tiny_model
     profile = Profile(
@@ -582,14 +594,7 @@ def test_thermostat_generation_with_a_tiny_model(tiny_model: tuple[Any, Any]) ->
     assert isinstance(proc.controller, ThermostatController)
     enc = tok(["The crew", "A small moon moves"], return_tensors="pt", padding=True)
     torch.manual_seed(0)
-    out = model.generate(
-        **enc,
-        logits_processor=[proc],
-        max_new_tokens=12,
-        min_new_tokens=12,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
-    )
+    out = _greedy(model, tok, enc, proc, 12)
     assert out.shape == (2, enc.input_ids.shape[1] + 12)
     t = trace.to_numpy()
     assert t["strength"].shape == (2, 12)
@@ -616,14 +621,7 @@ def test_pulling_in_place_changes_nothing_but_the_copy(tiny_model: tuple[Any, An
     for inplace in (False, True):
         trace = Trace()
         proc = processor_from_profile(profile, tok, max_new_tokens=10, trace=trace, inplace=inplace)
-        out = model.generate(
-            **enc,
-            logits_processor=[proc],
-            max_new_tokens=10,
-            min_new_tokens=10,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
+        out = _greedy(model, tok, enc, proc, 10)
         runs.append((out, trace.tensor()))
         scores = torch.randn(2, len(tok))
         before = scores.clone()
