@@ -290,8 +290,11 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             kernel_rows = range(logits.shape[0]) if rows_np is None else rows_np
             traced = [(i, self._trace_ids[r]) for i, r in enumerate(kernel_rows) if self._trace_ids[r] is not None]
         measure = self.on_step is not None or bool(traced)
-        # vLLM hands its float32 logits over (its own processors write into them too)
-        out, result = self.kernel.apply(logits, logits_rows, rows_np, measure_step=measure, inplace=not measure)
+        # vLLM hands its float32 logits over (its own processors write into them too); the kernel copies only
+        # where its measurement needs the unpulled logits, and an `on_step` hook is promised them
+        out, result = self.kernel.apply(
+            logits, logits_rows, rows_np, measure_step=measure, inplace=self.on_step is None
+        )
         self.last_strength = result.strength
         if traced:  # one read back per step, only while some request asked for its trace
             values = result.measurement.stack()[[i for i, _ in traced]].tolist()
