@@ -98,6 +98,7 @@ def test_penalized_word_is_pushed_away(smollm2):
 
 def test_trace_records_every_step(smollm2, profile):
     model, tok = smollm2
+    profile = Profile.from_mapping({**profile.model_dump(exclude={"field", "thermostat"}), "schedule": "phases"})
     trace = Trace()
     proc = processor_from_profile(profile, tok, max_new_tokens=16, trace=trace)
     ids = tok(PROMPT, return_tensors="pt")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program, StagePlan
+from narrative_gravity.gravity.require import Requirement
 from narrative_gravity.gravity.schedule import (
     ConstantController,
     PhaseScheduleController,
@@ -60,8 +61,42 @@ def _programs() -> list[Program]:
         ),
         Program(field=_field(6), schedule=ConstantController(1.0).schedule(1)[0], prune_threshold=-0.2, key="prune"),
         Program(field=_field(7), schedule=ConstantController(1.0).schedule(1)[0], prune_threshold=0.0, key="prune0"),
+        Program(
+            field=_field(8),
+            schedule=ConstantController(1.0).schedule(1)[0],
+            requirement=_requirement(force=True),
+            key="require",
+        ),
+        Program(
+            field=_field(9),
+            schedule=ThermostatController(3.0, candidates=4).schedule(1)[0],
+            requirement=_requirement(force=False),
+            key="require-soft",
+        ),
         Program(stages=stages, schedule=ThermostatController(4.0, drift_scope="text").schedule(1)[0], key="stages"),
     ]
+
+
+def _requirement(*, force: bool) -> Requirement:
+    """Two required words on the synthetic vocabulary: "12" (or "15 16"), and "17 18" of a script without
+    spaces; tokens 20-24 continue a word, 25 ends a clause, 29 ends the text."""
+    glue = torch.zeros(V, dtype=torch.bool)
+    glue[20:25] = True
+    breaks = torch.zeros(V, dtype=torch.bool)
+    breaks[25] = True
+    return Requirement(
+        words=("a", "b"),
+        forms=(((12,), (15, 16)), ((17, 18),)),
+        starts=(((12,),), ((17, 18),)),
+        boundary=(True, False),
+        glue=glue,
+        breaks=breaks,
+        stops=(29,),
+        strength=3.0,
+        force=force,
+        slack=2,
+        window=4,
+    )
 
 
 def _solo(program: Program, budget: int, prompt: list[int], out: list[int], history: list[torch.Tensor]) -> Any:

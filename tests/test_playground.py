@@ -99,7 +99,7 @@ def test_stream_carries_each_tokens_stats_and_measure_only_is_plain(server: Runn
 def test_validate_names_the_key_path(server: RunningServer) -> None:
     with server.http() as http:
         ok = http.post("/v1/validate", json={"profile": SPACE}).json()
-        assert ok["valid"] and ok["profile"]["thermostat"]["strict_target"] == 0.4
+        assert ok["valid"] and ok["profile"]["thermostat"]["strict_target"] == 0.8
         bad = http.post(
             "/v1/validate",
             json={"profile": {"core_semantics": [], "thermostat": {"explore_target": 1.5}, "stages": [{"share": 2}]}},

@@ -12,7 +12,7 @@ import pytest
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
 from narrative_gravity.gravity.schedule import PhaseScheduleController
-from narrative_gravity.profile import FieldOptions, Phases, Profile, load_profile
+from narrative_gravity.profile import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
 
 CLASSIC = {
     "task_type": "code_generation",
@@ -41,9 +41,44 @@ def test_classic_mapping_loads_exactly() -> None:
     assert p.gravity_strength == 1.2
     assert p.penalize == ["restaurant", "movie", "recipe"]
     assert p.decay_after_steps == 50
-    # defaults for everything not given
-    assert p.schedule == "phases" and p.prune_threshold is None and p.decay_half_life == 25.0
-    assert p.phases == Phases() and p.field == FieldOptions()
+    # everything not given: the topic default (TOPIC_DEFAULTS), λ_max proportional to the strength
+    assert p.schedule == "thermostat" and p.prune_threshold is None and p.decay_half_life == 25.0
+    assert p.field == FieldOptions(mode="semantic", repeat_weight=0.0, semantic_source="minilm")
+    assert p.thermostat_kwargs()["max_strength"] == pytest.approx(1.2 * 4.25 / 1.5)
+    topic = TOPIC_DEFAULTS["thermostat"]
+    assert {k: getattr(p.thermostat, k) for k in topic if k != "max_strength"} == {
+        k: v for k, v in topic.items() if k != "max_strength"
+    }
+    # the default strength gives the topic default's λ_max exactly
+    assert Profile.from_mapping({"core_semantics": ["x"]}).thermostat_kwargs()["max_strength"] == pytest.approx(
+        topic["max_strength"]
+    )
+
+
+def test_the_classic_pull_is_asked_for_by_name() -> None:
+    for schedule in ("constant", "phases"):
+        p = Profile.from_mapping({**CLASSIC, "schedule": schedule})
+        assert p.field == FieldOptions(mode="lexical", repeat_weight=1.0, semantic_source="minilm")
+    # a key given explicitly is kept whatever the schedule
+    p = Profile.from_mapping({**CLASSIC, "schedule": "constant", "field": {"mode": "semantic"}})
+    assert (p.field.mode, p.field.repeat_weight) == ("semantic", 1.0)
+    p = Profile.from_mapping({**CLASSIC, "field": {"repeat_weight": 0.5, "mode": "hybrid"}})
+    assert (p.schedule, p.field.mode, p.field.repeat_weight) == ("thermostat", "hybrid", 0.5)
+
+
+def test_a_filled_in_profile_dumps_and_reloads_to_itself() -> None:
+    for data in (CLASSIC, {**CLASSIC, "schedule": "phases"}, {"core_semantics": ["二分查找", "数组"]}):
+        p = Profile.from_mapping(data)
+        assert Profile.from_mapping(p.model_dump()) == p
+
+
+def test_words_without_spaces_take_the_generators_embeddings() -> None:
+    assert Profile.from_mapping({"core_semantics": ["二分查找", "数组"]}).field.semantic_source == "lm"
+    staged = {"core_semantics": ["search"], "stages": [{"core_semantics": ["数组"]}]}
+    assert Profile.from_mapping(staged).field.semantic_source == "lm"
+    assert Profile.from_mapping({"core_semantics": ["search"]}).field.semantic_source == "minilm"
+    given = {"core_semantics": ["数组"], "field": {"semantic_source": "minilm"}}
+    assert Profile.from_mapping(given).field.semantic_source == "minilm"  # an explicit choice stands
 
 
 def test_classic_json_file_loads_exactly(tmp_path: Path) -> None:

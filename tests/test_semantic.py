@@ -382,8 +382,8 @@ def test_profile_field_modes(tiny_model: tuple[Any, Any], tmp_path: Path, monkey
     monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path))
     model, tok = tiny_model
     base = {"core_semantics": ["planet", "orbit"], "penalize": ["night"]}
-    lexical = field_from_profile(Profile.from_mapping(base), tok)
-    assert Profile.from_mapping(base).field.mode == "lexical"  # the default is unchanged
+    lexical = field_from_profile(Profile.from_mapping({**base, "field": {"mode": "lexical"}}), tok)
+    assert Profile.from_mapping(base).field.mode == "semantic"  # the topic default
     opts = {"semantic_source": "lm", "semantic_top_k": 5, "semantic_z_threshold": 0.0}
     semantic = field_from_profile(
         Profile.from_mapping({**base, "field": {"mode": "semantic", **opts}}), tok, model=model

@@ -100,7 +100,12 @@ def greedy(prompt: str, **extra: Any) -> dict[str, Any]:
 
 def test_a_profile_that_cannot_be_built_fails_alone(server: RunningServer) -> None:
     """stages + prune_threshold passed validation and then failed its whole batch (the plain rows got 500)."""
-    bad = {"core_semantics": ["planet"], "prune_threshold": 0.1, "stages": [{"core_semantics": ["orbit"]}]}
+    bad = {
+        "core_semantics": ["planet"],
+        "schedule": "constant",
+        "prune_threshold": 0.1,
+        "stages": [{"core_semantics": ["orbit"]}],
+    }
     with server.http() as http:
         alone = [http.post("/v1/completions", json=greedy(p)).json()["choices"][0]["text"] for p in ("A star", "Moon")]
     plain, staged, other = post_all(

@@ -66,7 +66,8 @@ def test_snapshot_files_are_complete_json_documents(store):
     assert [f for f in files(directory) if not f.startswith(".")] == ["000001.json"]
     doc = json.loads((directory / "000001.json").read_text())
     assert doc["version"] == 1 and doc["message"] == "m" and doc["created"].endswith("Z")
-    assert doc["profile"]["gravity_strength"] == 1.2 and doc["profile"]["schedule"] == "phases"  # defaults pinned
+    assert doc["profile"]["gravity_strength"] == 1.2 and doc["profile"]["schedule"] == "thermostat"  # defaults pinned
+    assert doc["profile"]["field"]["mode"] == "semantic"
 
 
 def test_the_stored_name_is_the_store_name(store):

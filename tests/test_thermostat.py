@@ -330,10 +330,13 @@ def test_default_targets() -> None:
     assert (d.drift_gain, d.drift_share, d.drift_window) == (0.15, 0.125, 8)
     assert (d.entropy_low, d.entropy_high, d.max_target) == (0.05, 0.25, 0.95)
     assert d.base(1, "cpu").item() == 6.0
-    # the profile carries the same defaults
+    # the profile carries the same feedback defaults, and the topic default's targets and λ_max
     kwargs = Profile(core_semantics=["orbit"]).thermostat_kwargs()
-    for name in ("explore_target", "converge_target", "strict_target", "drift_gain", "drift_share", "entropy_low"):
+    for name in ("drift_gain", "drift_share", "drift_window", "entropy_low", "entropy_high", "max_target"):
         assert kwargs[name] == getattr(d, name), name
+    assert [kwargs[k] for k in ("explore_target", "converge_target", "strict_target", "max_strength")] == (
+        pytest.approx([0.4, 0.6, 0.8, 4.25])
+    )
 
 
 def test_phase_targets_follow_the_budget() -> None:
@@ -528,11 +531,11 @@ def test_max_strength_cap_is_documented_value() -> None:
 
 def test_profile_defaults_and_controller() -> None:
     p = Profile(core_semantics=["orbit"])
-    assert p.schedule == "phases"  # the default schedule is unchanged
-    t = Profile(core_semantics=["orbit"], schedule="thermostat", gravity_strength=2.0)
+    assert p.schedule == "thermostat"  # the topic default
+    t = Profile(core_semantics=["orbit"], gravity_strength=3.0)
     c = controller_from_profile(t)
     assert isinstance(c, ThermostatController)
-    assert c.base(1, "cpu").item() == 8.0  # 4 × gravity_strength
+    assert c.base(1, "cpu").item() == pytest.approx(8.5)  # gravity_strength × 4.25 / 1.5
     custom = Profile.from_mapping(
         {
             "core_semantics": ["orbit"],
@@ -581,7 +584,9 @@ def test_thermostat_generation_with_a_tiny_model(tiny_model: tuple[Any, Any]) ->
     profile = Profile(
         core_semantics=["planet", "orbit", "galaxy"],
         schedule="thermostat",
+        field={"mode": "lexical"},
         thermostat={
+            "max_strength": 6.0,
             "entropy_low": 0.0,
             "entropy_high": 0.01,
             "explore_target": 0.5,
@@ -598,7 +603,7 @@ def test_thermostat_generation_with_a_tiny_model(tiny_model: tuple[Any, Any]) ->
     assert out.shape == (2, enc.input_ids.shape[1] + 12)
     t = trace.to_numpy()
     assert t["strength"].shape == (2, 12)
-    assert (t["strength"] >= 0).all() and (t["strength"] <= 6.0).all()  # λ_max = 4 × 1.5
+    assert (t["strength"] >= 0).all() and (t["strength"] <= 6.0).all()  # λ_max
     # with a random model the steps are disordered: wherever λ < λ_max the target mass was reached
     reached = t["mass_after"][t["strength"] < 6.0 - 1e-3]
     assert reached.size and (reached >= 0.5 - 1e-4).all()

@@ -51,12 +51,18 @@ FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 
 # Profiles for the synthetic tests (words of the tiny tokenizer in conftest.py): every kind the kernel runs.
 P_PLANET = {"core_semantics": ["planet"], "gravity_strength": 2.0, "schedule": "constant"}
-P_ORBIT = {"core_semantics": ["orbit", "galaxy"], "gravity_strength": 3.0, "decay_after_steps": 2}
-P_PRUNE = {"core_semantics": ["moon"], "penalize": ["planet"], "gravity_strength": 1.0, "prune_threshold": -0.5}
+P_ORBIT = {"core_semantics": ["orbit", "galaxy"], "gravity_strength": 3.0, "decay_after_steps": 2, "schedule": "phases"}
+P_PRUNE = {
+    "core_semantics": ["moon"],
+    "penalize": ["planet"],
+    "gravity_strength": 1.0,
+    "prune_threshold": -0.5,
+    "schedule": "phases",
+}
 P_THERMO = {
     "core_semantics": ["orbit", "planet", "moon"],
     "schedule": "thermostat",
-    "field": {"repeat_weight": 0.0},
+    "field": {"mode": "lexical", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
 }
 P_STAGES = {
@@ -65,7 +71,13 @@ P_STAGES = {
     "schedule": "constant",
     "stages": [{"core_semantics": ["orbit"], "share": 0.3}, {"core_semantics": ["galaxy", "moon"]}],
 }
-P_STAGES_PRUNE = {**P_STAGES, "penalize": ["comet"], "prune_threshold": -0.5, "schedule": "thermostat"}
+P_STAGES_PRUNE = {
+    **P_STAGES,
+    "penalize": ["comet"],
+    "prune_threshold": -0.5,
+    "schedule": "thermostat",
+    "field": {"mode": "lexical", "repeat_weight": 1.0},
+}
 P_TEXT_DRIFT = {**P_THERMO, "thermostat": {**P_THERMO["thermostat"], "drift_scope": "text", "drift_window": 4}}
 KINDS = [P_PLANET, P_ORBIT, P_PRUNE, P_THERMO, P_STAGES, P_STAGES_PRUNE, P_TEXT_DRIFT]
 
@@ -173,11 +185,16 @@ def test_layouts_agree(tiny_tokenizer: Any, profiles: list[Any]) -> None:
     out = [t for t in orbit.prefixes[-1].tolist() if t >= 0]  # mid-word: the continuation must fire
     added = [(i, _params(p), prompt, list(out)) for i, p in enumerate(profiles)]
     proc.update_state(BatchUpdate(batch_size=len(profiles), removed=[], added=added, moved=[]))
-    logits = torch.randn(len(profiles), len(tiny_tokenizer))
+    logits = torch.randn(len(profiles), len(tiny_tokenizer), generator=torch.Generator().manual_seed(len(profiles)))
     got = proc.apply(logits.clone())
     for i, p in enumerate(profiles):
         want, _ = _solo(tiny_tokenizer, p, prompt, out, logits[i : i + 1])
-        torch.testing.assert_close(got[i : i + 1], want)
+        # A thermostat row alone sits on its own field's support, in a batch on the union of every row's: the
+        # solver sums the same probabilities in another order, and where m(λ) is flat that float rounding can
+        # move λ by a few points of its grid (λ_max / 2^14, a few 1e-4 here); everything else is exact.
+        thermostat = p is not None and Profile.from_mapping(p).schedule == "thermostat"
+        tol = {"atol": 1e-3, "rtol": 0.0} if thermostat else {}
+        torch.testing.assert_close(got[i : i + 1], want, **tol)
 
 
 @settings(max_examples=15, deadline=None)
@@ -828,6 +845,84 @@ def test_vllm_server_streams_each_tokens_stats_when_asked(served: Any) -> None:
     with running.http() as http:  # the row's means reached the gravity metrics
         families = _families(http.get("/metrics").text)
     assert _value(families, "ngrav_gravity_rows", "ngrav_gravity_rows_total") >= 1
+
+
+CARD = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 32}, "description": {"type": "string", "maxLength": 64}},
+    "required": ["title", "description"],
+    "additionalProperties": False,
+}
+SCORE = {
+    "type": "object",
+    "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5}, "why": {"type": "string", "maxLength": 24}},
+    "required": ["score", "why"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_server_structured_output_with_gravity(served: Any) -> None:
+    """`response_format` on the vLLM engine (vLLM's own structured outputs) with gravity: a concurrent mix of a
+    schema row with the topic profile, a plain row and a row with another schema gets, row by row, what each gets
+    alone (greedy); the replies match their schemas; a bad schema is a 400 naming `response_format` and the
+    others run on."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from narrative_gravity.server.structured import reply_errors
+
+    running, _ = served
+    topic = {"core_semantics": ["ship", "sail", "sea", "storm"]}
+    asks = [
+        ("Describe a voyage as JSON.", {"gravity": topic, "response_format": _schema(CARD)}),
+        ("The planet", {"gravity": topic}),
+        ("Rate a sea story from 1 to 5 as JSON.", {"response_format": _schema(SCORE)}),
+        ("Describe a voyage as JSON.", {"gravity": topic, "response_format": _schema({"type": "strin"})}),
+        ("Describe a voyage as JSON.", {"response_format": _schema({"type": "string", "format": "weird"})}),
+    ]
+
+    async def send(indices: list[int]) -> list[Any]:
+        http = httpx.AsyncClient(trust_env=False, timeout=120)
+        async with openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0, http_client=http) as c:
+
+            async def one(i: int) -> Any:
+                prompt, extra = asks[i]
+                try:
+                    reply = await c.chat.completions.create(
+                        model="smollm2",
+                        messages=[{"role": "user", "content": prompt}],
+                        max_tokens=96,  # the schemas' maxLength bound a reply well below it
+                        temperature=0,
+                        extra_body=extra,
+                    )
+                except openai.APIStatusError as exc:
+                    return exc
+                return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+            return await asyncio.gather(*(one(i) for i in indices))
+
+    alone = [asyncio.run(send([i]))[0] for i in range(3)]
+    mixed = asyncio.run(send(list(range(len(asks)))))
+    assert mixed[:3] == alone
+    for (text, finish), schema in ((mixed[0], CARD), (mixed[2], SCORE)):
+        assert finish == "stop" and reply_errors(schema, text) is None, text
+    assert reply_errors({"type": "object"}, mixed[1][0]) is not None  # the plain row is not constrained
+    for bad in mixed[3:]:
+        assert isinstance(bad, openai.BadRequestError) and bad.body["param"] == "response_format", bad
+    assert "not a valid JSON Schema" in mixed[3].body["message"]
+    assert "weird" in mixed[4].body["message"]  # vLLM's own check of what its grammar backends support
+    # gravity moved the words inside the schema's strings: the same request without it differs
+    plain = asyncio.run(send([2]))[0]
+    asks[2] = (asks[0][0], {"response_format": _schema(CARD)})
+    assert asyncio.run(send([2]))[0] != mixed[0] and plain == alone[2]
+
+
+def _schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
 
 
 def test_cli_generate_on_vllm_equals_the_python_api(generator: Any, tmp_path: Any) -> None:

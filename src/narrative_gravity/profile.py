@@ -5,6 +5,14 @@ The classic keys are accepted exactly as users write them::
     {"task_type": "code_generation", "core_semantics": ["binary_search", "algorithm", "array", "target"],
      "gravity_strength": 1.2, "penalize": ["restaurant", "movie", "recipe"], "decay_after_steps": 50}
 
+A profile that leaves out ``schedule`` gets the measured topic default (:data:`TOPIC_DEFAULTS`): a semantic
+field (embedding neighbours of the words; the generator's own embeddings for words in scripts without
+spaces, such as Chinese), a word stops pulling once written (``repeat_weight`` 0), and the thermostat with
+targets 0.4 / 0.6 / 0.8 and ``λ_max = gravity_strength × 4.25 / 1.5``. The article's keys keep their
+meaning: ``gravity_strength`` sets how hard the pull may get, ``penalize`` pushes words away and
+``decay_after_steps`` fades the pull. The classic constant lexical pull is asked for by name,
+``"schedule": "constant"`` (or ``"phases"``), and its field then defaults to the lexical one.
+
 Our extensions: ``schedule`` (``constant``, ``phases`` or ``thermostat``), ``phases`` (explore/converge/strict),
 ``thermostat`` (target narrative mass per phase, drift and entropy feedback), ``decay_half_life``,
 ``prune_threshold`` and ``field`` (lexical, semantic or hybrid; how surface forms are weighted). Errors name
@@ -13,6 +21,11 @@ the key, the value and the fix, and suggest the intended key for typos.
 >>> p = Profile.from_mapping({"core_semantics": ["binary_search"], "gravity_strength": 1.2})
 >>> p.keywords()
 ['binary', 'search', 'binary search']
+>>> p.schedule, p.field.mode, p.field.repeat_weight, round(p.thermostat_kwargs()["max_strength"], 2)
+('thermostat', 'semantic', 0.0, 3.4)
+>>> classic = Profile.from_mapping({"core_semantics": ["binary_search"], "schedule": "constant"})
+>>> classic.field.mode, classic.field.repeat_weight
+('lexical', 1.0)
 >>> Profile.from_mapping({"core_semantics": ["x"], "gravity_strenght": 2})
 Traceback (most recent call last):
 ...
@@ -30,29 +43,38 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from .errors import ProfileError
 from .fields.lexical import expand_keywords
+from .text import has_unspaced_script
 
 __all__ = [
+    "THERMOSTAT_MAX_PER_STRENGTH",
     "TOPIC_DEFAULTS",
     "FieldOptions",
     "Phases",
     "Profile",
+    "Require",
     "StageSpec",
     "Thermostat",
     "load_profile",
     "profile_problems",
 ]
 
-# The default topic pull, for a narrative given by nothing but topic words: `ngrav eval --profile auto` starts
-# from it (replacing `core_semantics` by each topic's words), `profiles/topic.yaml` spells it out, and
+# The default topic pull, for a narrative given by nothing but topic words: what a profile without `schedule`
+# gets (the model defaults below are these values), spelled out. `ngrav eval --profile auto` starts from it
+# (replacing `core_semantics` by each topic's words), `profiles/topic.yaml` writes it down, and
 # `plan_then_write` writes with it. A semantic field (MiniLM neighbours of the words) under the thermostat; a
 # word once written stops pulling (`repeat_weight` 0), so the pull moves on through the topic; a firm
-# thermostat (λ_max 4.25, targets 0.4 / 0.6 / 0.8). Chosen on the `topics-tune` split, never on held-out words
-# (docs/benchmarks.md).
+# thermostat (λ_max 4.25 at the default gravity_strength 1.5, targets 0.4 / 0.6 / 0.8). Chosen on the
+# `topics-tune` split, never on held-out words (docs/benchmarks.md).
 TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
 }
+
+
+# λ_max per unit of gravity_strength when `thermostat.max_strength` is left out: the topic default's 4.25 at
+# the default strength 1.5.
+THERMOSTAT_MAX_PER_STRENGTH = 4.25 / 1.5
 
 
 class _Strict(BaseModel):
@@ -61,10 +83,10 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans(cls, v: Any, info: ValidationInfo) -> Any:
-        # Lax validation reads `true` as 1 and "2" as 2; no profile key is a boolean, and a number in quotes is
-        # a slip too (a JSON or YAML profile writes numbers as numbers).
-        if isinstance(v, bool):
-            raise ValueError(f"{str(v).lower()} is a boolean, but no profile key takes one; write a number")
+        # Lax validation reads `true` as 1 and "2" as 2; a boolean belongs only to a key that takes one
+        # (`require.force`), and a number in quotes is a slip too (a JSON or YAML profile writes numbers as numbers).
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation is not bool:
+            raise ValueError(f"{str(v).lower()} is a boolean, but this key does not take one; write a number")
         if isinstance(v, str) and info.field_name in _NUMERIC.get(cls.__name__, ()):
             raise ValueError(f"{v!r} is text, but this key takes a number; write it without quotes")
         return v
@@ -119,13 +141,16 @@ class Thermostat(_Strict):
     """
 
     max_strength: float | None = Field(
-        None, gt=0.0, le=50.0, description="λ_max; None = 4 × gravity_strength (capped at 50)"
+        None,
+        gt=0.0,
+        le=50.0,
+        description="λ_max; None = gravity_strength × 4.25 / 1.5 (4.25 at the default strength; capped at 50)",
     )
     explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
     strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
-    explore_target: float = Field(0.08, ge=0.0, le=1.0, description="target narrative mass while exploring")
-    converge_target: float = Field(0.25, ge=0.0, le=1.0, description="target narrative mass while converging")
-    strict_target: float = Field(0.4, ge=0.0, le=1.0, description="target narrative mass near the end")
+    explore_target: float = Field(0.4, ge=0.0, le=1.0, description="target narrative mass while exploring")
+    converge_target: float = Field(0.6, ge=0.0, le=1.0, description="target narrative mass while converging")
+    strict_target: float = Field(0.8, ge=0.0, le=1.0, description="target narrative mass near the end")
     drift_window: int = Field(8, ge=1, le=512, description="recent generated tokens checked for drift")
     drift_gain: float = Field(0.15, ge=0.0, le=1.0, description="target added when all recent tokens are off topic")
     drift_share: float = Field(
@@ -160,27 +185,75 @@ class Thermostat(_Strict):
 
 
 class FieldOptions(_Strict):
-    """How the field is built: lexical surface forms, semantic neighbours, or both."""
+    """How the field is built: lexical surface forms, semantic neighbours, or both.
+
+    ``mode``, ``semantic_source`` and ``repeat_weight`` left out (``None``) are filled in by the profile: the
+    topic default (``semantic``, ``repeat_weight`` 0) under the thermostat, the classic lexical field with
+    ``repeat_weight`` 1 under ``constant`` or ``phases``; the generator's own embeddings (``lm``) for words in
+    scripts written without spaces, which MiniLM does not read, else MiniLM.
+    """
 
     glued_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forms without a leading space")
     first_piece_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of a multi-token word's first piece")
     max_pieces: int = Field(8, ge=1, le=32, description="longest word, in tokens, that is used")
-    mode: Literal["lexical", "semantic", "hybrid"] = Field(
-        "lexical", description="lexical: the words' surface forms; semantic: embedding neighbours; hybrid: both"
+    mode: Literal["lexical", "semantic", "hybrid"] | None = Field(
+        None,
+        description="lexical: the words' surface forms; semantic: embedding neighbours; hybrid: both; "
+        "None = semantic under the thermostat, lexical under constant or phases",
     )
-    semantic_source: Literal["minilm", "lm"] = Field(
-        "minilm", description="token embeddings: MiniLM (all-MiniLM-L6-v2) or the generator's input embeddings"
+    semantic_source: Literal["minilm", "lm"] | None = Field(
+        None,
+        description="token embeddings: MiniLM (all-MiniLM-L6-v2) or the generator's input embeddings; None = lm "
+        "for words in scripts without spaces (Chinese, Japanese, Thai, ...), else minilm",
     )
     semantic_topic: str | None = Field(
         None, min_length=1, description="a sentence describing the topic; None = the core_semantics words"
     )
-    repeat_weight: float = Field(
-        1.0, ge=0.0, le=1.0, description="share of its pull a narrative token keeps once the text has generated it"
+    repeat_weight: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="share of its pull a narrative token keeps once the text has generated it; None = 0 under "
+        "the thermostat, 1 under constant or phases",
     )
     semantic_top_k: int = Field(2000, ge=1, le=20000, description="at most this many related tokens are pulled")
     semantic_z_threshold: float = Field(2.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
     semantic_min_value: float = Field(0.2, gt=0.0, le=1.0, description="field value of the weakest kept token")
     semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
+
+
+class Require(_Strict):
+    """Words the text must contain before it ends (:mod:`narrative_gravity.gravity.require`).
+
+    The pull on a missing word's first piece rises as ``strength · progress^curve`` while the budget runs out;
+    the text cannot end while a word is missing; and once the budget only just fits the missing words, they
+    are forced: from ``window`` tokens before that point right after a clause ends, from ``slack`` tokens
+    before it where the model starts a new word, and at the last moment anyway. ``force: false`` keeps the
+    pull alone. A profile may give the words alone: ``require: [planet, orbit]``.
+    """
+
+    words: list[str] = Field(min_length=1, description="the words (or phrases) the text must contain")
+    strength: float = Field(4.0, ge=0.0, le=20.0, description="λ on a missing word's first piece at the deadline")
+    curve: float = Field(2.0, gt=0.0, le=10.0, description="the pull is strength × progress^curve")
+    force: bool = Field(True, description="force the missing words when the budget only just fits them")
+    slack: int = Field(6, ge=0, le=256, description="tokens before the deadline from which a new word may be forced")
+    window: int = Field(
+        24, ge=0, le=512, description="tokens before the deadline from which a word may be forced after a clause"
+    )
+
+    @field_validator("words")
+    @classmethod
+    def _words(cls, v: list[str]) -> list[str]:
+        return _clean_words(v)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Require:
+        if self.slack > self.window:
+            raise ValueError(
+                f"require.slack ({self.slack}) must not exceed require.window ({self.window}); "
+                "forcing after a clause starts earlier than forcing at any new word"
+            )
+        return self
 
 
 class StageSpec(_Strict):
@@ -209,7 +282,7 @@ class Profile(_Strict):
     penalize: list[str] = Field(default_factory=list)
     decay_after_steps: int | None = Field(None, ge=0)
     decay_half_life: float = Field(25.0, gt=0.0)
-    schedule: Literal["constant", "phases", "thermostat"] = "phases"
+    schedule: Literal["constant", "phases", "thermostat"] = "thermostat"
     phases: Phases = Field(default_factory=Phases)
     thermostat: Thermostat = Field(default_factory=Thermostat)
     prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
@@ -224,6 +297,14 @@ class Profile(_Strict):
         description="remembered topic words and their weights in (0, 1] (TopicMemory.words()); a lexical "
         "field of these weights joins the profile's field",
     )
+    require: Require | None = Field(
+        None, description="words the text must contain before it ends: a list, or {words, strength, force, ...}"
+    )
+
+    @field_validator("require", mode="before")
+    @classmethod
+    def _require_list(cls, v: Any) -> Any:
+        return {"words": v} if isinstance(v, (list, tuple)) else v
 
     @field_validator("core_semantics", "penalize")
     @classmethod
@@ -239,6 +320,24 @@ class Profile(_Strict):
         if bad:
             raise ValueError(f"memory weights have to be in (0, 1] for non-empty words, but got {bad!r}")
         return {w.strip(): float(x) for w, x in v.items()}
+
+    @model_validator(mode="after")
+    def _fill_field(self) -> Profile:
+        # The field's open choices follow the schedule (see FieldOptions); a filled-in profile dumps and
+        # reloads to itself.
+        fill: dict[str, Any] = {}
+        topic = self.schedule == "thermostat"
+        if self.field.mode is None:
+            fill["mode"] = "semantic" if topic else "lexical"
+        if self.field.repeat_weight is None:
+            fill["repeat_weight"] = 0.0 if topic else 1.0
+        if self.field.semantic_source is None:
+            words = [*self.core_semantics, *(self.field.semantic_topic or "").split()]
+            words += [w for s in self.stages or () for w in s.core_semantics]
+            fill["semantic_source"] = "lm" if any(has_unspaced_script(w) for w in words) else "minilm"
+        if fill:
+            object.__setattr__(self, "field", self.field.model_copy(update=fill))
+        return self
 
     @model_validator(mode="after")
     def _stage_shares(self) -> Profile:
@@ -285,12 +384,13 @@ class Profile(_Strict):
     def thermostat_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`~narrative_gravity.gravity.schedule.ThermostatController`.
 
-        ``max_strength`` defaults to 4 × ``gravity_strength`` (capped at 50).
+        ``max_strength`` defaults to ``gravity_strength × 4.25 / 1.5`` (capped at 50): the topic default's
+        λ_max 4.25 at the default strength 1.5, and proportional to the strength a user asks for.
         """
         opts = self.thermostat.model_dump()
         lam_max = opts.pop("max_strength")
         if lam_max is None:
-            lam_max = min(4.0 * self.gravity_strength, 50.0)
+            lam_max = min(self.gravity_strength * THERMOSTAT_MAX_PER_STRENGTH, 50.0)
         return {
             "max_strength": lam_max,
             **opts,
@@ -299,7 +399,9 @@ class Profile(_Strict):
         }
 
 
-_NUMERIC.update({m.__name__: _numeric_fields(m) for m in (Phases, Thermostat, FieldOptions, StageSpec, Profile)})
+_NUMERIC.update(
+    {m.__name__: _numeric_fields(m) for m in (Phases, Thermostat, FieldOptions, StageSpec, Require, Profile)}
+)
 
 _FIXES = {
     "missing": "add it",
@@ -319,9 +421,12 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     cur: Any = model
     for part in loc[:-1]:
         info = cur.model_fields.get(part) if isinstance(part, str) else None
-        if info is None or not isinstance(info.annotation, type) or not issubclass(info.annotation, BaseModel):
+        if info is None:
             return []
-        cur = info.annotation
+        inner = [a for a in (getattr(info.annotation, "__args__", ()) or (info.annotation,)) if a is not type(None)]
+        if len(inner) != 1 or not isinstance(inner[0], type) or not issubclass(inner[0], BaseModel):
+            return []
+        cur = inner[0]
     return list(cur.model_fields)
 
 

@@ -3,8 +3,8 @@
 >>> from narrative_gravity.profile import Profile
 >>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="constant", gravity_strength=2.0))
 ConstantController(2.0)
->>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="thermostat", gravity_strength=2.0))
-ThermostatController(max_strength=8.0)
+>>> controller_from_profile(Profile(core_semantics=["orbit"], gravity_strength=3.0))  # the topic default
+ThermostatController(max_strength=8.5)
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ from .fields import NarrativeField
 from .fields.lexical import weighted_lexical_field
 from .gravity.field import merge_fields
 from .gravity.kernel import Program
+from .gravity.require import Requirement
 from .gravity.schedule import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from .gravity.thermo import Trace
 from .plan import stage_plan
 from .profile import Profile
 
-__all__ = ["controller_from_profile", "field_from_profile", "processor_from_profile", "program_from_profile"]
+__all__ = [
+    "controller_from_profile",
+    "field_from_profile",
+    "processor_from_profile",
+    "program_from_profile",
+    "requirement_from_profile",
+]
 
 # Most recently used last. Entries hold the tokenizer (and a weak reference to the model) they were built for: an ``id`` alone can be
 # reused by a new object once the old one is gone.
@@ -114,6 +121,39 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
     return combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
 
 
+_REQUIRE_CACHE: OrderedDict[tuple[str, int, int], tuple[Any, Requirement]] = OrderedDict()
+
+
+def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | None:
+    """The profile's ``require`` for a tokenizer (:func:`~narrative_gravity.fields.required.build_requirement`),
+    built once and cached in memory; ``None`` without ``require``. Raises a
+    :class:`~narrative_gravity.errors.FieldError` naming a word the tokenizer cannot write."""
+    if profile.require is None:
+        return None
+    spec = profile.require.model_dump_json()
+    key = (spec, id(tokenizer), len(tokenizer))
+    hit = _REQUIRE_CACHE.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        _REQUIRE_CACHE.move_to_end(key)
+        return hit[1]
+    from .fields.required import build_requirement
+
+    opts = profile.require
+    built = build_requirement(
+        tokenizer,
+        opts.words,
+        strength=opts.strength,
+        curve=opts.curve,
+        force=opts.force,
+        slack=opts.slack,
+        window=opts.window,
+    )
+    _REQUIRE_CACHE[key] = (tokenizer, built)
+    while len(_REQUIRE_CACHE) > FIELD_CACHE_SIZE:
+        _REQUIRE_CACHE.popitem(last=False)
+    return built
+
+
 def controller_from_profile(profile: Profile) -> ScheduleController:
     """``constant`` gives a :class:`ConstantController`, ``phases`` a :class:`PhaseScheduleController`,
     ``thermostat`` a :class:`ThermostatController`. In the kernel the thermostat reads drift through the
@@ -136,7 +176,7 @@ def controller_from_profile(profile: Profile) -> ScheduleController:
 
 def program_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None, key: str = "") -> Program:
     """The kernel's :class:`~narrative_gravity.gravity.kernel.Program` for a profile: its field (or stages),
-    its schedule, ``repeat_weight`` and ``prune_threshold``. Every engine builds its rows from this."""
+    its schedule, ``repeat_weight``, ``prune_threshold`` and ``require``. Every engine builds its rows from this."""
     field = field_from_profile(profile, tokenizer, model=model)
     controller = controller_from_profile(profile)
     stages = None
@@ -148,6 +188,7 @@ def program_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None,
         schedule=controller.schedule(len(controller._rows))[0],
         repeat_weight=profile.field.repeat_weight,
         prune_threshold=profile.prune_threshold,
+        requirement=requirement_from_profile(profile, tokenizer),
         key=key,
     )
 
@@ -183,5 +224,6 @@ def processor_from_profile(
         trace=trace,
         measure_only=measure_only,
         repeat_weight=program.repeat_weight,
+        requirement=None if measure_only else program.requirement,
         inplace=inplace,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["STOPWORDS", "content_words", "ngrams", "stem", "units", "word_set", "words"]
+__all__ = ["STOPWORDS", "content_words", "has_unspaced_script", "ngrams", "stem", "units", "word_set", "words"]
 
 
 def word_set(text: str) -> frozenset[str]:
@@ -57,6 +57,18 @@ def words(text: str) -> list[str]:
 # Scripts written without spaces between words: CJK radicals, punctuation and ideographs, kana, fullwidth forms.
 _UNSPACED = "\u2e80-\u303f\u3040-\u30ff\u3100-\u312f\u3190-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _UNIT = re.compile(rf"[{_UNSPACED}\U00020000-\U0002fa1f]|[^\s{_UNSPACED}\U00020000-\U0002fa1f]+")
+
+
+_UNSPACED_CHAR = re.compile(rf"[{_UNSPACED}\U00020000-\U0002fa1f]")
+
+
+def has_unspaced_script(text: str) -> bool:
+    """Whether ``text`` has characters of a script written without spaces (Chinese, Japanese).
+
+    >>> has_unspaced_script("二分查找"), has_unspaced_script("binary search")
+    (True, False)
+    """
+    return _UNSPACED_CHAR.search(text) is not None
 
 
 def units(text: str) -> list[str]:

@@ -23,6 +23,7 @@ from transformers import LogitsProcessor
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..gravity.field import NarrativeField
 from ..gravity.kernel import GravityKernel, Program
+from ..gravity.require import Requirement
 from ..gravity.schedule import COLUMNS, ConstantController, ScheduleController, StepContext, StrengthController
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
@@ -52,6 +53,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
             :func:`narrative_gravity.plan.stage_plan`): each row pulls toward its current stage's field
             instead of ``field``; :attr:`stage` holds each row's stage after a call.
+        requirement: words the text must contain before it ends
+            (:class:`~narrative_gravity.gravity.require.Requirement`, built by
+            :func:`~narrative_gravity.fields.required.build_requirement`); needs ``max_new_tokens`` to force them.
         inplace: pull the scores where they are and return them, instead of a new tensor (saves a copy of
             ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
             so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
@@ -73,6 +77,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         nan_check_every: int | None = None,
         repeat_weight: float = 1.0,
         stages: StagePlan | None = None,
+        requirement: Requirement | None = None,
         inplace: bool = False,
     ) -> None:
         if stages is None and not isinstance(field, NarrativeField):
@@ -115,6 +120,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             schedule=schedule,
             repeat_weight=repeat_weight,
             prune_threshold=prune_threshold,
+            requirement=requirement,
         )
         self.repeat_weight = self.program.repeat_weight
         self.kernel: GravityKernel | None = None

@@ -177,6 +177,11 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
     """A function ``(processor, logits, pulled, result)``, set on the class, called after every step with
     gravity; ``result`` is the kernel's :class:`~narrative_gravity.gravity.kernel.StepResult` (λ and the step's
     measurement per logits row). For tests and debugging; ``None`` (the default) costs nothing."""
+    on_measure: Any = None
+    """A function ``(processor, result)``, set on the class, called after every step with gravity with the
+    step's :class:`~narrative_gravity.gravity.kernel.StepResult`, measurement included. Unlike ``on_step`` it
+    is not handed the unpulled logits, so the kernel still pulls them in place: what recording traces uses
+    (``VLLMGenerator(record_trace=True)``, ``ngrav eval --engine vllm``)."""
 
     def __init__(self, vllm_config: Any, *args: Any, tokenizer: Any = None) -> None:
         if _VLLM_IMPORT_ERROR is not None:
@@ -289,7 +294,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         if any(self._trace_ids):
             kernel_rows = range(logits.shape[0]) if rows_np is None else rows_np
             traced = [(i, self._trace_ids[r]) for i, r in enumerate(kernel_rows) if self._trace_ids[r] is not None]
-        measure = self.on_step is not None or bool(traced)
+        measure = self.on_step is not None or self.on_measure is not None or bool(traced)
         # vLLM hands its float32 logits over (its own processors write into them too); the kernel copies only
         # where its measurement needs the unpulled logits, and an `on_step` hook is promised them
         out, result = self.kernel.apply(
@@ -301,6 +306,8 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             with _TRACES_LOCK:
                 for (_, trace_id), row in zip(traced, values):
                     _TRACES.setdefault(trace_id, []).append(row)
+        if self.on_measure is not None:
+            self.on_measure(result)
         if self.on_step is not None:
             self.on_step(logits, out, result)
         return out

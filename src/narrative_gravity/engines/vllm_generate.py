@@ -7,7 +7,7 @@ text, :func:`~narrative_gravity.generation.encode_prompts`) and sent as token id
 sampling settings and its profile in ``SamplingParams(extra_args={"gravity": ...})`` (or none, for plain
 decoding). vLLM batches the requests itself.
 
-Traces come from the processor's ``on_step`` hook: while a call records, every gravity step's measurement
+Traces come from the processor's ``on_measure`` hook: while a call records, every gravity step's measurement
 (entropy, narrative mass before and after, KL, λ) is kept per live output list, and each list is matched to
 its request by its tokens when the call ends. Requests without gravity keep no trace. The hook runs in this
 process only, so the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here).
@@ -93,11 +93,12 @@ class _Recorder:
     def __init__(self) -> None:
         self.rows: dict[int, tuple[list[int], dict[int, np.ndarray]]] = {}
 
-    def record(self, proc: Any, logits: torch.Tensor, result: Any) -> None:
+    def record(self, proc: Any, result: Any) -> None:
         if result.measurement is None:
             return
-        live = np.flatnonzero(proc.kernel.prog[: logits.shape[0]] >= 0)
-        values = result.measurement.stack()[torch.from_numpy(live).to(logits.device)].float().cpu().numpy()
+        stacked = result.measurement.stack()
+        live = np.flatnonzero(proc.kernel.prog[: stacked.shape[0]] >= 0)
+        values = stacked[torch.from_numpy(live).to(stacked.device)].float().cpu().numpy()
         for k, row in enumerate(live):
             out = proc._outputs[row]
             if out is not None:  # the step measured is the one that samples token len(out)
@@ -282,16 +283,16 @@ class VLLMGenerator:
         outputs = [VLLMOutput(list(p), [], math.nan, math.nan) for p in prompt_ids]
         live: set[str] = set()
         cls = NarrativeGravityVLLMLogitsProcessor
-        previous = cls.__dict__.get("on_step")
+        previous = cls.__dict__.get("on_measure")
 
-        def hook(proc: Any, logits: torch.Tensor, pulled: torch.Tensor, result: Any) -> None:
+        def hook(proc: Any, result: Any) -> None:
             if recorder is not None:
-                recorder.record(proc, logits, result)
+                recorder.record(proc, result)
             if previous is not None:
-                previous(proc, logits, pulled, result)
+                previous(proc, result)
 
         if recorder is not None:
-            cls.on_step = hook
+            cls.on_measure = hook
         t0 = time.perf_counter()
         try:
             for rid, prompt, request_params in zip(ids, prompt_ids, params, strict=True):
@@ -313,7 +314,7 @@ class VLLMGenerator:
                             on_finish(1)
         finally:
             if recorder is not None:
-                cls.on_step = previous
+                cls.on_measure = previous
             if live:  # an interrupt or an error: leave the engine empty for the next call
                 engine.abort_request(list(live))
         return outputs

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import ConfigurationError
 from .field import NO_TOKEN, NarrativeField, last_tokens, match_suffixes
+from .require import Requirement, RequireTables, advance_required, pull_required
 from .schedule import (
     _COL,
     COLUMNS,
@@ -67,6 +68,8 @@ class Program:
             :meth:`~narrative_gravity.gravity.schedule.ScheduleController.schedule`); a row may bring its own.
         repeat_weight: the share of its pull a narrative token keeps once the row has generated it.
         prune_threshold: mask tokens whose field value is at or below this; ``None`` = off.
+        requirement: words the text must contain before it ends
+            (:class:`~narrative_gravity.gravity.require.Requirement`); ``None`` = none.
         key: identifies equal programs (the kernel shares their tables).
     """
 
@@ -75,6 +78,7 @@ class Program:
     stages: StagePlan | None = None
     repeat_weight: float = 1.0
     prune_threshold: float | None = None
+    requirement: Requirement | None = None
     key: str = ""
 
     def __post_init__(self) -> None:
@@ -89,6 +93,11 @@ class Program:
             )
         if np.shape(self.schedule) != (len(COLUMNS),):
             raise ConfigurationError(f"`schedule` has to be one row of {len(COLUMNS)} numbers (schedule.COLUMNS)")
+        if self.requirement is not None and not isinstance(self.requirement, Requirement):
+            raise ConfigurationError(
+                f"`requirement` has to be a Requirement, but is {type(self.requirement).__name__}; build one with "
+                "narrative_gravity.fields.required.build_requirement(tokenizer, words)"
+            )
 
     @property
     def fields(self) -> tuple[NarrativeField, ...]:
@@ -102,6 +111,8 @@ class Program:
             width = max([width, *(len(f) for ws in self.stages.words for fs in ws for f in fs)])
         if self.schedule[_COL["thermostat"]]:
             width = max(width, int(self.schedule[_COL["drift_window"]]))
+        if self.requirement is not None:
+            width = max(width, self.requirement.history)
         return max(width, 1)
 
 
@@ -137,6 +148,8 @@ class _Bank:
     n_words: int
     first: dict[int, int]  # program slot -> its first field row
     zero_row: int
+    require: RequireTables | None = None  # every live program's required words
+    require_of: dict[int, int] = dataclasses.field(default_factory=dict)  # program slot -> its requirement
 
 
 @dataclass
@@ -157,6 +170,7 @@ class _Plan:
     iterations: int
     row_iterations: torch.Tensor | None  # [B] when rows ask for different counts
     said_index: torch.Tensor | None  # [B·S] the rows' support cells in the flat `said` table, with `repeat`
+    require: torch.Tensor | None = None  # [B] each row's requirement, when some row has one
 
 
 class GravityKernel:
@@ -190,6 +204,7 @@ class GravityKernel:
         self.repeat = np.ones(n, dtype=np.float32)
         self.threshold = np.full(n, np.nan, dtype=np.float32)
         self.last_stage = np.zeros(n, dtype=np.int64)
+        self.requires = np.zeros(n, dtype=bool)
         self._dev: dict[str, torch.Tensor] = {}
         self._plans: dict[bytes, _Plan] = {}
         self._work = Workspace()
@@ -201,6 +216,7 @@ class GravityKernel:
         self.stage = torch.zeros(n, dtype=torch.long, device=self.device)
         self.start = torch.zeros(n, dtype=torch.long, device=self.device)
         self.seen = torch.zeros(n, 1, dtype=torch.bool, device=self.device)
+        self.written = torch.zeros(n, 1, dtype=torch.bool, device=self.device)  # required words written
         self.said: torch.Tensor | None = None  # [n, V] bool, made when a program needs it
         self._vocab: int | None = None
 
@@ -225,6 +241,8 @@ class GravityKernel:
             self._grow_history(program.history)
             if program.stages is not None:
                 self._grow_words(program.stages.n_words)
+            if program.requirement is not None:
+                self._grow_written(program.requirement.n_words)
         self._idle.pop(slot, None)
         self._refs[slot] += 1
         return slot
@@ -250,6 +268,11 @@ class GravityKernel:
         if n_words > self.seen.shape[1]:
             extra = torch.zeros(self.capacity, n_words - self.seen.shape[1], dtype=torch.bool, device=self.device)
             self.seen = torch.cat([self.seen, extra], dim=1)
+
+    def _grow_written(self, n_words: int) -> None:
+        if n_words > self.written.shape[1]:
+            extra = torch.zeros(self.capacity, n_words - self.written.shape[1], dtype=torch.bool, device=self.device)
+            self.written = torch.cat([self.written, extra], dim=1)
 
     # -- rows -----------------------------------------------------------------------------------------
 
@@ -278,6 +301,7 @@ class GravityKernel:
         self.repeat[row] = program.repeat_weight
         self.threshold[row] = np.nan if program.prune_threshold is None else program.prune_threshold
         self.last_stage[row] = len(program.fields) - 1
+        self.requires[row] = program.requirement is not None
         self._dirty = True
         ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)
         self.recent[row] = last_tokens(ids[None], self.width)[0]
@@ -285,6 +309,7 @@ class GravityKernel:
         self.stage[row] = 0
         self.start[row] = 0
         self.seen[row] = False
+        self.written[row] = False
         if program.repeat_weight < 1.0:
             self._said(self._width())
         if self.said is not None:
@@ -316,12 +341,14 @@ class GravityKernel:
         self.repeat[:b] = program.repeat_weight
         self.threshold[:b] = np.nan if program.prune_threshold is None else program.prune_threshold
         self.last_stage[:b] = len(program.fields) - 1
+        self.requires[:b] = program.requirement is not None
         self._dirty = True
         self.recent[:b] = last_tokens(input_ids.to(self.device).long(), self.width)
         self.step[:b] = 0
         self.stage[:b] = 0
         self.start[:b] = 0
         self.seen[:b] = False
+        self.written[:b] = False
         if self.said is not None:
             self.said[:b] = False
 
@@ -340,15 +367,16 @@ class GravityKernel:
             self.threshold[row] = np.nan
             self.repeat[row] = 1.0
             self.last_stage[row] = 0
+            self.requires[row] = False
             self.stage[row] = 0  # an empty row reads the zero field row, with no stage on top
             self._dirty = True
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade places (settings and history)."""
-        for arr in (self.prog, self.budget, self.sched, self.repeat, self.threshold, self.last_stage):
+        for arr in (self.prog, self.budget, self.sched, self.repeat, self.threshold, self.last_stage, self.requires):
             arr[[a, b]] = arr[[b, a]]
         idx, rev = torch.tensor([a, b], device=self.device), torch.tensor([b, a], device=self.device)
-        for t in (self.recent, self.step, self.stage, self.start, self.seen, self.said):
+        for t in (self.recent, self.step, self.stage, self.start, self.seen, self.written, self.said):
             if t is not None:
                 t[idx] = t[rev]
         self._dirty = True
@@ -372,6 +400,10 @@ class GravityKernel:
             for slot, first in bank.first.items():
                 lookup[slot] = first
             first = lookup[np.where(self.prog >= 0, self.prog, self._next_slot)]
+            req = np.full(self._next_slot + 1, len(bank.require_of), dtype=np.int64)
+            for slot, q in bank.require_of.items():
+                req[slot] = q
+            req = req[np.where(self.prog >= 0, self.prog, self._next_slot)]
             self._dev = {
                 "bank": bank.values,
                 "first": torch.from_numpy(first).to(self.device, non_blocking=True),
@@ -379,6 +411,7 @@ class GravityKernel:
                 "repeat": torch.from_numpy(self.repeat).to(self.device, non_blocking=True),
                 "threshold": torch.from_numpy(self.threshold).to(self.device, non_blocking=True),
                 "last": torch.from_numpy(self.last_stage).to(self.device, non_blocking=True),
+                "require": torch.from_numpy(req).to(self.device, non_blocking=True),
             }
             self._plans = {}
             self._dirty = False
@@ -453,6 +486,24 @@ class GravityKernel:
                 start = torch.where(new, start, self.start[rows])
                 seen = torch.where(new[:, None], seen, self.seen[rows])
             self.stage[rows], self.start[rows], self.seen[rows] = stage, start, seen
+        if self.requires.any():
+            self._advance_required(rows, recent, step, new)
+
+    def _advance_required(
+        self, rows: torch.Tensor | slice, recent: torch.Tensor, step: torch.Tensor, new: torch.Tensor | None
+    ) -> None:
+        """Mark the required words each row has finished writing with its newest token."""
+        dtype = self._bank[0][2] if self._bank is not None else torch.float32
+        bank = self._bank_for(self._width(), dtype)
+        if bank.require is None:
+            return
+        dev = self._upload(bank)
+        w = bank.require.n_words
+        before = self.written[rows, :w]
+        written = advance_required(before, bank.require, dev["require"][rows], recent, step)
+        if new is not None:
+            written = torch.where(new[:, None], written, before)
+        self.written[rows, :w] = written
 
     def apply(
         self,
@@ -523,6 +574,10 @@ class GravityKernel:
         # everything it needs (a field on a support, no pruning)
         inplace = inplace and (not measure_step or (probs is not None and mask is None and not bank.dense))
         out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse, inplace=inplace)
+        if plan.require is not None and not measure_only:
+            tables = bank.require
+            written = self.written[rows, : tables.n_words]
+            pull_required(out, tables, plan.require, written, recent, step, self._upload(bank)["budget"][rows])
         result = StepResult(strength=lam, finite=finite)
         if measure_step or measure_only:
             result.measurement = self._measure(logits, out, a, lam, mask, bank, probs, entropy, plan)
@@ -560,6 +615,7 @@ class GravityKernel:
             iterations=n_iter,
             row_iterations=None if (rs.iterations == n_iter).all() else rs.row_iterations,
             said_index=said_index,
+            require=dev["require"][rows] if bank.require is not None and self.requires[rows_np].any() else None,
         )
         if len(self._plans) >= 8:
             self._plans.clear()
@@ -675,7 +731,11 @@ class GravityKernel:
                 torch.tensor([s for s, _, _ in forms], dtype=torch.long, device=dev),
                 torch.tensor([j for _, j, _ in forms], dtype=torch.long, device=dev),
             )
+        reqs = [(slot, p.requirement) for slot, p in self._programs.items() if p.requirement is not None]
+        require = RequireTables.build([r for _, r in reqs], vocab, dev) if reqs else None
         return _Bank(
+            require=require,
+            require_of={slot: q for q, (slot, _) in enumerate(reqs)},
             support=support,
             dense=dense,
             pos_of=pos_of,
