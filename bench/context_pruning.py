@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-retrieval", action="store_true", help="skip (a), run only the generation part")
+    ap.add_argument(
+        "--encoder",
+        choices=["minilm", "tokens"],
+        default="minilm",
+        help="passage embeddings: MiniLM, or the token table of narrative_gravity.token_encoder",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -202,6 +208,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases = build_cases(load_news_articles(), n_cases=args.cases, seed=args.seed)
     print(f"{len(cases)} cases (seed {args.seed}) built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     model, tok = load_model()
+    if args.encoder == "tokens":
+        from narrative_gravity.token_encoder import token_encoder
+
+        enc = token_encoder(tok)  # type: ignore[assignment]
     budgets = [float(b) for b in args.budgets.split(",")]
     ret = [] if args.no_retrieval else retrieval(cases, tok, enc, budgets)
     print("| budget | method | gold recall [95% CI] | all gold kept | tokens removed |")
@@ -212,6 +222,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"| {r['budget']:.0%} | {r['method']} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {r['all_gold_kept']:.2f} "
             f"| {r['saved']:.1%} |"
         )
+    if args.gen_cases < 1:
+        result = {"args": vars(args), "machine": machine(torch.get_num_threads()), "retrieval": ret}
+        write_json(args.json, result)
+        return result
     gen = generation(cases[: args.gen_cases], model, tok, enc, args.operating, args.max_new_tokens)
     print()
     print(

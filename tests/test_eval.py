@@ -353,7 +353,9 @@ def test_run_eval_pairs_control_with_every_profile_and_skips_a_profile_that_does
 ):
     model, tok = tiny_model
     # every word of this profile needs more tokens than max_pieces allows: its field cannot be built
-    bad = _write(tmp_path / "bad.yaml", "name: bad\ncore_semantics: [zqxjvkw]\nschedule: constant\nfield: {max_pieces: 1}\n")
+    bad = _write(
+        tmp_path / "bad.yaml", "name: bad\ncore_semantics: [zqxjvkw]\nschedule: constant\nfield: {max_pieces: 1}\n"
+    )
     prompts = _write(tmp_path / "p.txt", "The planet\nThe crew\nOur galaxy\n")
     out = tmp_path / "run"
     run_eval(

@@ -96,6 +96,7 @@ def _requirement(*, force: bool) -> Requirement:
         force=force,
         slack=2,
         window=4,
+        spread=not force,
     )
 
 

@@ -168,12 +168,29 @@ def test_build_requirement_on_a_real_tokenizer(tiny_tokenizer: Any) -> None:
     for forms, starts in zip(req.forms, req.starts):
         assert set(starts) <= set(forms)
         assert all(tiny_tokenizer.decode(list(s)).startswith(" ") for s in starts)  # pulled after a space
-    glue, breaks, stops = token_tables(tiny_tokenizer)
+    glue, breaks, sentence, stops = token_tables(tiny_tokenizer)
     assert stops == (tiny_tokenizer.eos_token_id,)
     for word, expect in (("s", True), (" the", False), (".", False)):
         ids = tiny_tokenizer(word, add_special_tokens=False)["input_ids"]
         assert bool(glue[ids[0]]) is expect, word
-    assert bool(breaks[tiny_tokenizer(".", add_special_tokens=False)["input_ids"][0]])
+    dot = tiny_tokenizer(".", add_special_tokens=False)["input_ids"][0]
+    comma = tiny_tokenizer(",", add_special_tokens=False)["input_ids"][0]
+    assert bool(breaks[dot]) and bool(sentence[dot]) and bool(breaks[comma]) and not bool(sentence[comma])
+    assert req.capital is not None and [any(c) for c in req.capital] == [True, True]  # " Galaxy", " Orbit"
+
+
+def test_after_a_sentence_ends_a_forced_word_starts_with_its_capital() -> None:
+    sentence = torch.zeros(V, dtype=torch.bool)
+    sentence[25] = True
+    req = _req(starts=(((12,), (13,)), ((17, 18),)), capital=((False, True), (False,)), sentence=sentence)
+    tables = RequireTables.build([req], vocab=V)
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    for last, allowed in ((25, {13, 17}), (3, {12, 13, 17})):  # "a" only as 13 (its capital) after a full stop
+        out = torch.zeros(1, V)
+        pull_required(
+            out, tables, torch.tensor([0]), none, torch.tensor([[last]]), torch.tensor([9]), torch.tensor([10])
+        )
+        assert set(torch.nonzero(torch.isfinite(out[0])).flatten().tolist()) == allowed, last
 
 
 def test_a_word_the_tokenizer_cannot_write_is_named(tiny_sp_tokenizer: Any) -> None:
@@ -252,3 +269,60 @@ def test_measure_only_leaves_the_text_alone(tiny_model: tuple[Any, Any]) -> None
     proc = processor_from_profile(profile, tok, max_new_tokens=6, measure_only=True)
     scores = torch.randn(1, len(tok))
     assert torch.equal(proc(torch.tensor([[1, 2]]), scores), scores)
+
+
+# ------------------------------------------------------------------------------------------------ server
+
+
+def test_the_server_serves_required_words_beside_other_requests(tiny_backend: Any, tmp_path: Any) -> None:
+    """Over HTTP on the transformers backend: each required word is in its text, and a plain request that
+    shares the batch gets what it gets alone."""
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    import httpx
+
+    from narrative_gravity.server import ServerConfig, create_app
+    from narrative_gravity.store import ProfileStore
+    from servers import RunningServer
+
+    words = ["galaxy", "telescope"]
+    gravity = {"core_semantics": ["orbit"], "require": words}
+    running = RunningServer(
+        create_app(tiny_backend, config=ServerConfig(batch_window_ms=150), store=ProfileStore(tmp_path))
+    )
+
+    def body(prompt: str, **extra: Any) -> dict[str, Any]:
+        return {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": 3, **extra}
+
+    async def together() -> list[Any]:
+        async with httpx.AsyncClient(base_url=running.url, trust_env=False, timeout=60) as client:
+            reqs = [body("The crew", gravity=gravity), body("A small moon"), body("Our galaxy", gravity=gravity)]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in reqs))
+
+    try:
+        with running.http() as http:
+            alone = http.post("/v1/completions", json=body("A small moon")).json()["choices"][0]["text"]
+            bad = http.post("/v1/completions", json=body("x", gravity={**gravity, "require": {"words": []}}))
+            assert bad.status_code == 400 and "require.words" in bad.json()["error"]["message"]
+        steered, plain, other = asyncio.run(together())
+        assert plain.json()["choices"][0]["text"] == alone
+        for resp in (steered, other):
+            text = resp.json()["choices"][0]["text"]
+            assert all(_has(text, w) for w in words), text
+    finally:
+        running.close()
+
+
+def test_spread_puts_each_word_due_at_its_share_of_the_budget() -> None:
+    """With spread, the first of two words may be forced after a clause within `window` of a third of the
+    budget, long before the whole budget runs short; without it the same step is left alone."""
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 5.0
+    for spread, forced in ((True, True), (False, False)):
+        k = _kernel(_req(spread=spread, window=6, slack=0), budget=60)
+        for _ in range(12):
+            _step(k, logits, token=3)
+        _step(k, logits, token=25)  # step 12 ends a clause; the first word is due at step 20
+        out, _ = k.apply(logits.clone())
+        assert (set(torch.nonzero(torch.isfinite(out[0])).flatten().tolist()) == {12, 17}) is forced, spread

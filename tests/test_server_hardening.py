@@ -145,6 +145,7 @@ def test_limits_on_what_a_request_may_build(server: RunningServer) -> None:
     cases = [
         ({"core_semantics": ["planet"], "stages": [{"core_semantics": ["a"]}] * 50}, "--max-stages", "stages"),
         ({"core_semantics": [f"w{i}" for i in range(9)]}, "--max-words-per-list", "core_semantics"),
+        ({"core_semantics": ["a"], "require": [f"w{i}" for i in range(9)]}, "--max-words-per-list", "require.words"),
         (
             {"core_semantics": ["a"] * 8, "penalize": ["b"] * 8},
             "--max-words",

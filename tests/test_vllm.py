@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -79,7 +80,14 @@ P_STAGES_PRUNE = {
     "field": {"mode": "lexical", "repeat_weight": 1.0},
 }
 P_TEXT_DRIFT = {**P_THERMO, "thermostat": {**P_THERMO["thermostat"], "drift_scope": "text", "drift_window": 4}}
-KINDS = [P_PLANET, P_ORBIT, P_PRUNE, P_THERMO, P_STAGES, P_STAGES_PRUNE, P_TEXT_DRIFT]
+P_REQUIRE = {
+    "core_semantics": ["moon"],
+    "schedule": "constant",
+    "gravity_strength": 1.0,
+    "require": ["orbit", "galaxy"],
+}
+P_REQUIRE_THERMO = {**P_THERMO, "require": {"words": ["comet", "star"], "slack": 2, "window": 4}}
+KINDS = [P_PLANET, P_ORBIT, P_PRUNE, P_THERMO, P_STAGES, P_STAGES_PRUNE, P_TEXT_DRIFT, P_REQUIRE, P_REQUIRE_THERMO]
 
 
 def _params(profile: dict[str, Any] | None, max_tokens: int = 10) -> SamplingParams:
@@ -308,6 +316,27 @@ def test_model_runner_v2_interface(tiny_tokenizer: Any) -> None:
     assert proc.apply(logits, ctx5) is logits
 
 
+@pytest.mark.parametrize("profile", KINDS, ids=range(len(KINDS)))
+def test_grammar_masked_tokens_stay_masked(tiny_tokenizer: Any, profile: dict[str, Any]) -> None:
+    """vLLM applies a structured-output bitmask (``-inf``) before the logits processors: no kind of profile
+    brings a masked token back, and only pruning removes allowed ones."""
+    proc = _processor(tiny_tokenizer)
+    prompt = tiny_tokenizer("The crew watches a")["input_ids"]
+    added = [(i, _params(profile), prompt, []) for i in range(3)]
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, len(tiny_tokenizer), generator=gen)
+    allowed = torch.rand(3, len(tiny_tokenizer), generator=gen) < 0.05
+    allowed[:, tiny_tokenizer.convert_tokens_to_ids("Ġplanet")] = True  # a field token among the allowed
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    out = proc.apply(masked.clone())
+    finite = torch.isfinite(out)
+    assert not (finite & ~allowed).any()  # -inf + λ·a is -inf
+    assert finite.any(dim=1).all()  # pruning never empties a row
+    if Profile.from_mapping(profile).prune_threshold is None:
+        assert torch.equal(finite, allowed)
+
+
 def test_bad_profiles_are_rejected_with_the_key() -> None:
     validate = NarrativeGravityVLLMLogitsProcessor.validate_params
     validate(_params(None))
@@ -346,6 +375,7 @@ PROMPTS = [
     "Explain how to bake bread.",
     "Our trip to the mountains",
     "A letter to my neighbour",
+    "The chicken",
 ]
 STRONG = {"core_semantics": ["ocean", "wave"], "gravity_strength": 6.0, "schedule": "constant"}
 SEARCH = {"core_semantics": ["binary_search", "array"], "gravity_strength": 2.0}
@@ -371,8 +401,14 @@ LM = {
     "schedule": "thermostat",
     "thermostat": {"max_strength": 6.0, "explore_target": 0.5, "converge_target": 0.7, "strict_target": 0.8},
 }
-PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM]
-BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10]  # rows finish at different steps, so later rows join mid-way
+REQUIRED = {
+    "core_semantics": ["river"],
+    "schedule": "constant",
+    "gravity_strength": 0.0,
+    "require": ["volcano", "telescope"],
+}
+PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM, REQUIRED]
+BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10, 12]  # rows finish at different steps, so later rows join mid-way
 NEW_TOKENS = 12
 
 
@@ -491,6 +527,17 @@ def test_gravity_pulls_toward_the_field(runs: dict[str, Any]) -> None:
     plain = tok.decode(runs["plain"][0]).lower()
     assert "ocean" not in plain and "wave" not in plain, plain
     assert "ocean" in pulled or "wave" in pulled, pulled
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_required_words_are_written_on_the_vllm_engine(runs: dict[str, Any]) -> None:
+    tok = runs["llm"].get_tokenizer()
+    row = PROFILES.index(REQUIRED)
+    text, plain = (tok.decode(runs[k][row], skip_special_tokens=True) for k in ("mixed", "plain"))
+    for word in REQUIRED["require"]:
+        assert re.search(rf"\b{word}\b", text, re.IGNORECASE), text
+        assert word not in plain.lower(), plain
 
 
 @pytest.mark.slow
@@ -855,7 +902,10 @@ CARD = {
 }
 SCORE = {
     "type": "object",
-    "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5}, "why": {"type": "string", "maxLength": 24}},
+    "properties": {
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        "why": {"type": "string", "maxLength": 24},
+    },
     "required": ["score", "why"],
     "additionalProperties": False,
 }
@@ -906,7 +956,7 @@ def test_vllm_server_structured_output_with_gravity(served: Any) -> None:
             return await asyncio.gather(*(one(i) for i in indices))
 
     alone = [asyncio.run(send([i]))[0] for i in range(3)]
-    mixed = asyncio.run(send(list(range(len(asks)))))
+    mixed = asyncio.run(send(list(range(5))))
     assert mixed[:3] == alone
     for (text, finish), schema in ((mixed[0], CARD), (mixed[2], SCORE)):
         assert finish == "stop" and reply_errors(schema, text) is None, text
@@ -914,11 +964,11 @@ def test_vllm_server_structured_output_with_gravity(served: Any) -> None:
     for bad in mixed[3:]:
         assert isinstance(bad, openai.BadRequestError) and bad.body["param"] == "response_format", bad
     assert "not a valid JSON Schema" in mixed[3].body["message"]
-    assert "weird" in mixed[4].body["message"]  # vLLM's own check of what its grammar backends support
-    # gravity moved the words inside the schema's strings: the same request without it differs
-    plain = asyncio.run(send([2]))[0]
-    asks[2] = (asks[0][0], {"response_format": _schema(CARD)})
-    assert asyncio.run(send([2]))[0] != mixed[0] and plain == alone[2]
+    assert "weird" in mixed[4].body["message"]  # vLLM's own check of what its grammar backend supports
+    # gravity moved the words inside the schema's strings: the same request without it writes other ones
+    asks.append((asks[0][0], {"response_format": _schema(CARD)}))
+    (unpulled, finish), *_ = asyncio.run(send([len(asks) - 1]))
+    assert finish == "stop" and reply_errors(CARD, unpulled) is None and unpulled != mixed[0][0]
 
 
 def _schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -649,6 +649,115 @@ def serve(
     _run_guarded(run)
 
 
+@app.command()
+def answer(
+    question: Annotated[
+        str | None, typer.Option("--question", help="the user's message (or give the whole --messages)")
+    ] = None,
+    messages: Annotated[
+        Path | None, typer.Option("--messages", help='JSON list of {"role", "content"} turns, the question last')
+    ] = None,
+    documents: Annotated[
+        Path | None, typer.Option("--documents", help='retrieved passages: JSONL, one {"text", "id"} per line')
+    ] = None,
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="profile: gravity, and the levels it switches on")
+    ] = None,
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = 64,
+    top_k: TopKOpt = 10,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.0, callback=_finite, help="0 = greedy decoding (default)")
+    ] = 0.0,
+    seed: SeedOpt = 0,
+    engine: EngineOpt = "hf",
+    json_out: Annotated[Path | None, typer.Option("--json", help="save the answer and the report as JSON")] = None,
+) -> None:
+    """Answer one request with every level the profile switches on: passages pruned (`context:`), earlier
+    turns remembered (`conversation:`), a plan (`plan:`), then decoding with gravity; print what each did.
+
+    This is what `ngrav serve` does for a chat request with `documents` (see docs/server.md).
+
+    Example: ngrav answer --question "How did telescopes change astronomy?" --documents passages.jsonl \\
+    --profile profiles/rag.yaml
+    """
+    from rich.console import Console
+
+    from .answer import answer as run_answer
+    from .generation import SamplingOptions, check_engine, vllm_engine
+
+    _run_guarded(lambda: check_engine(engine))
+    if (question is None) == (messages is None):
+        _fail("give --question TEXT or --messages FILE (one of them)")
+    _check_output(json_out, "--json")
+    if messages is not None:
+        try:
+            turns = json.loads(_read_text(messages, "--messages"))
+        except json.JSONDecodeError as exc:
+            _fail(f"--messages {str(messages)!r} is not valid JSON ({exc.msg}); give a list of {{role, content}}")
+        if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
+        ):
+            _fail(f'--messages {str(messages)!r} must be a JSON list of {{"role": ..., "content": ...}} objects')
+    else:
+        turns = [{"role": "user", "content": question}]
+    docs = None
+    if documents is not None:
+        docs = []
+        for n, line in enumerate(_read_text(documents, "--documents").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                _fail(f"{documents}:{n}: not valid JSON ({exc.msg}); each line must be an object with a `text` field")
+    prof = _load_profile(profile) if profile is not None else None
+    options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
+    kwargs: dict[str, Any] = {}
+    if engine == "vllm":
+        vllm_generate = _run_guarded(vllm_engine)
+        kwargs["vllm"] = _load_vllm(vllm_generate, model, ["x"], raw=True, max_new_tokens=4096, batch_size=2)
+    else:
+        kwargs["model"], kwargs["tokenizer"] = _load(model)
+    res = _run_guarded(lambda: run_answer(turns, documents=docs, profile=prof, options=options, **kwargs))
+    console = Console()
+    console.print(res.text)
+    for line in _report_lines(res.report):
+        console.print(line, highlight=False)
+    if json_out is not None:
+        body = {"answer": res.text, "pipeline": res.report, "messages": res.prepared.messages}
+        json_out.write_text(json.dumps(body, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def _report_lines(report: dict[str, Any]) -> list[str]:
+    """What each level did, one line each (for the terminal)."""
+    out = []
+    ctx = report.get("context")
+    if ctx:
+        out.append(
+            f"context: kept {len(ctx['kept'])} of {len(ctx['kept']) + len(ctx['dropped'])} passages, "
+            f"{ctx['tokens_kept']} of {ctx['tokens_total']} tokens"
+            + (
+                f" (budget {ctx['budget_tokens']})"
+                if ctx.get("pruned")
+                else " (not pruned: the profile has no context)"
+            )
+        )
+        out += [f"  dropped {d['id']}: {d['reason']}" for d in ctx["dropped"]]
+    mem = report.get("memory")
+    if mem:
+        words = ", ".join(f"{w} {x:.2f}" for w, x in mem["words"].items()) or "nothing yet"
+        out.append(f"memory of {mem['turns']} earlier turn(s): {words}")
+    plan_info = report.get("plan")
+    if plan_info:
+        out.append(f"plan: the best of {plan_info['drafts']} drafts: " + " | ".join(plan_info["outline"]))
+    for s in report.get("stages", []):
+        out.append(
+            f"  stage {s['name']!r}: " + ("reached (" + ", ".join(s["words"]) + ")" if s["reached"] else "not reached")
+        )
+    return out
+
+
 @app.command("prune-context")
 def prune_context_command(
     question: Annotated[str, typer.Option("--question", help="the question the context must answer")],

@@ -8,6 +8,10 @@ Examples::
     ngrav profile history space
     ngrav profile diff space 1 2
     ngrav profile rollback space --to 1
+    ngrav profile stage space profiles/space_v2.yaml --message "stronger pull"
+    ngrav profile rollout space --shadow 0.05 --split-version 4 --split-share 0.1
+    ngrav profile report space
+    ngrav profile promote space --prompts topics --limit distinct_2:0.05 --limit rep_2:0.05
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ profile_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     help=(
-        "Named, versioned profiles: every [bold]set[/] is a new numbered snapshot; history, diff and rollback.\n\n"
+        "Named, versioned profiles: every [bold]set[/] is a new numbered snapshot; history, diff and rollback. "
+        "[bold]stage[/] stores a version that is not live yet; [bold]promote[/] makes it live once an eval shows no "
+        "regression; [bold]rollout[/] shadows or splits a profile's traffic and [bold]report[/] compares the arms.\n\n"
         "The store folder is --store, else $NARRATIVE_GRAVITY_STORE, else "
         "~/.local/share/narrative-gravity/profiles.\n\n"
         "Examples:\n\n"
@@ -37,7 +43,11 @@ profile_app = typer.Typer(
         "ngrav profile list\n\n"
         "ngrav profile show space --version 1 > space_v1.json\n\n"
         "ngrav profile diff space 1 2\n\n"
-        "ngrav profile rollback space --to 1"
+        "ngrav profile rollback space --to 1\n\n"
+        "ngrav profile stage space profiles/space_v2.yaml\n\n"
+        "ngrav profile rollout space --shadow 0.05 --split-version 4 --split-share 0.1\n\n"
+        "ngrav profile report space\n\n"
+        "ngrav profile promote space --prompts prompts.txt --limit distinct_2:0.05"
     ),
 )
 
@@ -74,15 +84,18 @@ def _store(ctx: typer.Context) -> ProfileStore:
     return _guard(lambda: ProfileStore(ctx.ensure_object(dict).get("store")))
 
 
-def _console() -> Any:
+def _console(*, wide: bool = False) -> Any:
+    """The stdout console; ``wide`` tables get 150 columns when stdout is not a terminal (a pipe, a file)."""
+    import sys
+
     from rich.console import Console
 
-    return Console()
+    return Console(width=150 if wide and not sys.stdout.isatty() else None)
 
 
 @profile_app.command("list")
 def list_profiles(ctx: typer.Context) -> None:
-    """List the stored profiles with their newest version.
+    """List the stored profiles with their live and newest version, and what is staged.
 
     Example: ngrav profile list
     """
@@ -95,13 +108,16 @@ def list_profiles(ctx: typer.Context) -> None:
         typer.echo(f"no profiles in {store.root}; add one with: ngrav profile set NAME FILE")
         return
     table = Table(title=f"profiles in {escape(str(store.root))}")
-    for col in ("name", "version", "updated (UTC)", "message"):
+    for col in ("name", "live", "newest", "staged", "updated (UTC)", "message"):
         table.add_column(col)
     for info in infos:
+        live = "?" if info.live is None else str(info.live)
+        staged = ", ".join(str(v) for v in info.staged)
         if info.error is not None:
-            table.add_row(f"[red]{escape(info.name)}[/]", str(info.version), "[red]damaged[/]", "")
+            table.add_row(f"[red]{escape(info.name)}[/]", live, str(info.version), staged, "[red]damaged[/]", "")
         else:
-            table.add_row(escape(info.name), str(info.version), info.created, escape(info.message or ""))
+            row = (escape(info.name), live, str(info.version), staged, info.created, escape(info.message or ""))
+            table.add_row(*row)
     console = _console()
     console.print(table)
     for info in infos:
@@ -115,13 +131,17 @@ def show(
     name: NameArg,
     version: Annotated[int | None, typer.Option("--version", "-v", min=1, help="a past version")] = None,
 ) -> None:
-    """Print a profile as JSON (ready for `set`); its version, date and message go to stderr.
+    """Print a profile as JSON (ready for `set`): the live version unless --version names another.
+
+    Its version, whether it is live or staged, its date and message go to stderr.
 
     Example: ngrav profile show space --version 1 > space_v1.json
     """
-    snap = _guard(lambda: _store(ctx).snapshot(name, version))
+    store = _store(ctx)
+    snap, live = _guard(lambda: (store.snapshot(name, version), store.live_version(name)))
     note = f" ({snap.message})" if snap.message else ""
-    typer.echo(f"# {name} version {snap.version}, {snap.created}{note}", err=True)
+    state = "live" if snap.version == live else ("staged" if snap.version > live else f"not live; live is {live}")
+    typer.echo(f"# {name} version {snap.version} [{state}], {snap.created}{note}", err=True)
     typer.echo(json.dumps(snap.profile.model_dump(mode="json"), indent=2, ensure_ascii=False))
 
 
@@ -132,7 +152,7 @@ def set_profile(
     file: Annotated[Path, typer.Argument(help="profile file (.json/.yaml)")],
     message: Annotated[str | None, typer.Option("--message", "-m", help="why it changed")] = None,
 ) -> None:
-    """Validate a profile file and store it as the next version of NAME.
+    """Validate a profile file and store it as the next version of NAME, live at once (see `stage` for not live).
 
     Example: ngrav profile set space profiles/space.yaml --message "stronger pull"
     """
@@ -146,20 +166,31 @@ def set_profile(
 
 @profile_app.command()
 def history(ctx: typer.Context, name: NameArg) -> None:
-    """Show every version of a profile, oldest first.
+    """Show every version of a profile, oldest first, which one is live and which are staged.
 
     Example: ngrav profile history space
     """
     from rich.markup import escape
     from rich.table import Table
 
-    infos = _guard(lambda: _store(ctx).history(name))
-    table = Table(title=f"history of {escape(name)}")
-    for col in ("version", "created (UTC)", "message"):
+    store = _store(ctx)
+    infos, live, moves = _guard(lambda: (store.history(name), store.live_version(name), store.live_history(name)))
+    table = Table(title=f"history of {escape(name)} (live: version {live})")
+    for col in ("version", "", "created (UTC)", "message"):
         table.add_column(col)
     for info in infos:
-        table.add_row(str(info.version), info.created, escape(info.message or ""))
-    _console().print(table)
+        state = "[bold green]live[/]" if info.version == live else ("staged" if info.version > live else "")
+        table.add_row(str(info.version), state, info.created, escape(info.message or ""))
+    console = _console()
+    console.print(table)
+    if moves:
+        pointer = Table(title=f"live pointer of {escape(name)}")
+        for col in ("updated (UTC)", "from", "to", "message"):
+            pointer.add_column(col)
+        for m in moves:
+            before = "newest" if m.previous is None else str(m.previous)
+            pointer.add_row(m.updated, before, str(m.version), escape(m.message or ""))
+        console.print(pointer)
 
 
 @profile_app.command()
@@ -202,9 +233,325 @@ def rollback(
     name: NameArg,
     to: Annotated[int, typer.Option("--to", min=1, help="the version to restore")],
 ) -> None:
-    """Restore an old version as a NEW version; history is never rewritten.
+    """Restore an old version as a NEW version, and make it live; history is never rewritten.
+
+    Versions staged before the rollback stay in the history (no longer staged, since the new version is the newest)
+    and can still be made live with `promote --version V`. To go back to an older version without a new snapshot,
+    use `promote NAME --version V --no-check`.
 
     Example: ngrav profile rollback space --to 1
     """
     version = _guard(lambda: _store(ctx).rollback(name, to))
     typer.echo(f"{name}: stored version {version} (= version {to})")
+
+
+@profile_app.command()
+def stage(
+    ctx: typer.Context,
+    name: NameArg,
+    file: Annotated[Path, typer.Argument(help="profile file (.json/.yaml)")],
+    message: Annotated[str | None, typer.Option("--message", "-m", help="why it changed")] = None,
+) -> None:
+    """Store a profile file as the next version of NAME without making it live.
+
+    Requests that name no version keep getting the live version; compare the two with `rollout --split-version`,
+    then `promote`.
+
+    Example: ngrav profile stage space profiles/space_v2.yaml --message "stronger pull"
+    """
+    from .profile import load_profile
+
+    store = _store(ctx)
+    profile = _guard(lambda: load_profile(file))
+    version = _guard(lambda: store.stage(name, profile, message=message))
+    live = _guard(lambda: store.live_version(name))
+    typer.echo(f"{name}: staged version {version}; version {live} stays live")
+
+
+@profile_app.command()
+def promote(
+    ctx: typer.Context,
+    name: NameArg,
+    version: Annotated[int | None, typer.Option("--version", "-v", min=1, help="default: the newest staged")] = None,
+    prompts: Annotated[
+        str | None, typer.Option("--prompts", help="eval prompt set: topics, empath, a .txt file or JSONL")
+    ] = None,
+    limit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--limit",
+            help="METRIC:DELTA, repeatable: refuse when the candidate is worse than live by more than DELTA "
+            "(absolute, or DELTA% of the live value), e.g. distinct_2:0.05 or rep_2:10%",
+        ),
+    ] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="seeds 0..N-1 per prompt")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")] = 60,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")] = 10,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy")] = 1.0,
+    raw: Annotated[
+        bool | None, typer.Option("--raw/--chat", help="plain continuation or chat template (default: as ngrav eval)")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch")] = 8,
+    limit_prompts: Annotated[int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a folder, .gguf")
+    ] = None,
+    judge: Annotated[
+        str | None, typer.Option("--judge", help="perplexity judge (default: none unless a limit is judge_ppl)")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="keep the eval's run folder and reports here")] = None,
+    no_check: Annotated[
+        bool, typer.Option("--no-check", help="move the live pointer without an eval (an emergency switch)")
+    ] = False,
+    message: Annotated[str | None, typer.Option("--message", "-m", help="why it is promoted")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
+) -> None:
+    """Make a staged version live once an eval on a prompt set shows no regression beyond the limits.
+
+    The live and the candidate version run through `ngrav eval` on the same prompts and seeds; each --limit is the
+    paired difference of one metric's aggregate, read by the metric's direction (higher_is_better). A regression
+    beyond its limit refuses the promotion (exit code 1, with the figures) and the live version keeps serving.
+
+    Examples:
+
+        ngrav profile promote space --prompts topics --limit-prompts 14 --limit distinct_2:0.05 --limit rep_2:0.05
+
+        ngrav profile promote space --version 3 --no-check
+    """
+    from rich.markup import escape
+
+    store = _store(ctx)
+    if no_check:
+        if prompts or limit:
+            _fail("--no-check moves the pointer without an eval; leave out --prompts and --limit, or --no-check")
+        from .store import StoreDamagedError
+
+        try:
+            before: int | str = store.live_version(name)
+        except StoreDamagedError:
+            before = "a damaged pointer"  # promoting a named version repairs it
+        if version is None and not _guard(lambda: store.staged(name)):
+            _fail(f"nothing is staged for {name!r}: live version {before} is the newest; give --version V")
+        live = _guard(lambda: store.promote(name, version, message=message or "promoted without a check"))
+        typer.echo(f"{name}: version {live} is live (was {before}); no eval was run")
+        return
+    if not prompts or not limit:
+        _fail(
+            "give --prompts SET and at least one --limit METRIC:DELTA (e.g. --limit distinct_2:0.05), "
+            "or --no-check to move the live pointer without an eval"
+        )
+    from .promote import Limit, evaluate_promotion
+
+    limits = [_guard(lambda spec=spec: Limit.parse(spec)) for spec in limit or []]
+    if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
+        _fail(f"--prompts {prompts!r} is neither a built-in set (topics, empath) nor a file; check the path")
+    from rich.console import Console
+
+    err = Console(stderr=True, soft_wrap=True)
+    result = _guard(
+        lambda: evaluate_promotion(
+            store,
+            name,
+            limits,
+            prompts=prompts,
+            version=version,
+            out=out,
+            seeds=tuple(range(samples)),
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            temperature=temperature,
+            raw=raw,
+            batch_size=batch_size,
+            model_name=model,
+            judge=judge,
+            limit_prompts=limit_prompts,
+            console=err,
+            message=message,
+        )
+    )
+    if json_out:
+        typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+    else:
+        _console(wide=True).print(_checks_table(result))
+    if result.promoted:
+        err.print(f"{escape(name)}: version {result.candidate} is live (was {result.live})", highlight=False)
+        return
+    lines = "\n  ".join(escape(c.describe()) for c in result.failed)
+    err.print(
+        f"[bold red]refused:[/] version {result.candidate} of {escape(name)} regresses beyond its limits:\n  {lines}\n"
+        f"version {result.live} stays live.",
+        highlight=False,
+    )
+    raise typer.Exit(1)
+
+
+def _checks_table(result: Any) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(
+        title=f"{escape(result.name)}: candidate {result.candidate} vs live {result.live}, paired (prompt, seed), "
+        "95% bootstrap interval"
+    )
+    for col in ("metric", "better", "live", "candidate", "difference [95% CI]", "regression", "allowed", "pairs", ""):
+        table.add_column(col)
+    for c in result.checks:
+        better = {True: "higher", False: "lower", None: "–"}[c.higher_is_better]
+        table.add_row(
+            escape(c.metric),
+            better,
+            f"{c.live:.4g}",
+            f"{c.candidate:.4g}",
+            f"{c.difference:+.4g} [{c.low:+.4g}, {c.high:+.4g}]",
+            f"{c.regression:.4g}",
+            f"{c.allowed:.4g}",
+            str(c.pairs),
+            "[green]ok[/]" if c.passed else "[bold red]refused[/]",
+        )
+    return table
+
+
+@profile_app.command()
+def rollout(
+    ctx: typer.Context,
+    name: NameArg,
+    shadow: Annotated[
+        float | None, typer.Option("--shadow", help="share of requests also run without gravity, e.g. 0.05")
+    ] = None,
+    split_version: Annotated[
+        int | None, typer.Option("--split-version", min=1, help="the version arm split:b serves (a staged one)")
+    ] = None,
+    split_share: Annotated[
+        float | None, typer.Option("--split-share", help="share of requests on split:b, e.g. 0.1")
+    ] = None,
+    no_split: Annotated[bool, typer.Option("--no-split", help="end the split (keep the shadow)")] = False,
+    clear: Annotated[bool, typer.Option("--clear", help="turn the rollout off: no shadow, no split")] = False,
+    history: Annotated[bool, typer.Option("--history", help="show every revision")] = False,
+    message: Annotated[str | None, typer.Option("--message", "-m", help="why it changed")] = None,
+) -> None:
+    """Show or change how NAME's traffic is shadowed and split; the server applies it to the next request.
+
+    Options left out keep their current value. A split sends --split-share of the requests without a version to
+    --split-version (arm split:b), the rest to the live version (split:a); a request's arm follows its `user`,
+    else its `seed` (random without either). A shadow runs the same request without gravity after it is
+    answered, for comparison; its text is not returned.
+
+    Examples:
+
+        ngrav profile rollout space --shadow 0.05
+
+        ngrav profile rollout space --split-version 4 --split-share 0.1 -m "canary"
+
+        ngrav profile rollout space --clear
+    """
+    from rich.markup import escape
+    from rich.table import Table
+
+    store = _store(ctx)
+    changing = clear or no_split or shadow is not None or split_version is not None or split_share is not None
+    if history:
+        if changing:
+            _fail("--history only shows; change the rollout in another call")
+        states = _guard(lambda: store.rollout_history(name))
+        table = Table(title=f"rollout history of {escape(name)}")
+        for col in ("revision", "updated (UTC)", "rollout", "message"):
+            table.add_column(col)
+        for st in states:
+            body = json.dumps(st.config.model_dump(mode="json", exclude_defaults=True))
+            table.add_row(str(st.revision), st.updated, escape(body), escape(st.message or ""))
+        _console().print(table)
+        return
+    if changing:
+        if clear and (no_split or shadow is not None or split_version is not None or split_share is not None):
+            _fail("--clear turns everything off; give it alone")
+        if no_split and (split_version is not None or split_share is not None):
+            _fail("--no-split ends the split; leave out --split-version and --split-share")
+        current = _guard(lambda: store.rollout(name)).config.model_dump(mode="json", exclude_none=True)
+        data: dict[str, Any] = {} if clear else current
+        if shadow is not None:
+            data["shadow"] = shadow
+        if no_split:
+            data.pop("split", None)
+        elif split_version is not None or split_share is not None:
+            split = dict(data.get("split") or {})
+            if split_version is not None:
+                split["version"] = split_version
+            if split_share is not None:
+                split["share"] = split_share
+            data["split"] = split
+        _guard(lambda: store.set_rollout(name, data, message=message))
+    st = _guard(lambda: store.rollout(name))
+    live = _guard(lambda: store.live_version(name))
+    cfg = st.config
+    split = (
+        "off" if cfg.split is None else f"{cfg.split.share:.1%} of requests to version {cfg.split.version} (split:b)"
+    )
+    if cfg.split is not None and cfg.split.version == live:
+        split += f" [yellow](inactive: version {live} is live now)[/]"
+    console = _console()
+    console.print(
+        f"[bold]{escape(name)}[/] rollout revision {st.revision}: live version {live}; "
+        f"shadow {cfg.shadow:.1%} of requests; split {split}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@profile_app.command()
+def report(
+    ctx: typer.Context,
+    name: NameArg,
+    server: Annotated[
+        str | None, typer.Option("--server", help="ask a running server (e.g. http://127.0.0.1:8000) instead")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="NGRAV_API_KEY", help="the server's key")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Compare the arms of NAME (live, split, shadow) from what the server recorded, with 95% intervals.
+
+    Reads the profile's arm log in the store (the server appends one record per finished request), or asks
+    --server. Split arms are compared unpaired (split:b − split:a); each arm is compared with its shadows paired by
+    request (the same prompt and seed without the pull).
+
+    Examples:
+
+        ngrav profile report space
+
+        ngrav profile report space --server http://127.0.0.1:8000 --json
+    """
+    if server is not None:
+        data = _remote_report(server, name, api_key)
+    else:
+        from .rollout_report import build_report
+
+        store = _store(ctx)
+        live = _guard(lambda: store.live_version(name))  # an unknown name fails here, with a did-you-mean
+        data = _guard(lambda: build_report(name, store.arms_log(name).read()))
+        data["live"] = live
+    if json_out:
+        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+        return
+    from .rollout_report import render_report
+
+    console = _console(wide=True)
+    for part in render_report(data):
+        console.print(part)
+
+
+def _remote_report(server: str, name: str, api_key: str | None) -> dict[str, Any]:
+    import httpx
+
+    url = server.rstrip("/") + f"/v1/profiles/{name}/report"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=60, trust_env=False)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {server}: {exc}; check --server (e.g. http://127.0.0.1:8000)")
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {}
+    if resp.status_code != 200:
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        _fail(f"{url} answered {resp.status_code}: {message or resp.text[:200]}")
+    return body

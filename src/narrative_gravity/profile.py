@@ -48,8 +48,11 @@ from .text import has_unspaced_script
 __all__ = [
     "THERMOSTAT_MAX_PER_STRENGTH",
     "TOPIC_DEFAULTS",
+    "ContextLevel",
+    "ConversationLevel",
     "FieldOptions",
     "Phases",
+    "PlanLevel",
     "Profile",
     "Require",
     "StageSpec",
@@ -240,6 +243,9 @@ class Require(_Strict):
     window: int = Field(
         24, ge=0, le=512, description="tokens before the deadline from which a word may be forced after a clause"
     )
+    spread: bool = Field(
+        False, description="the k-th of n words is due at (k + 1) / (n + 1) of the budget, not all at its end"
+    )
 
     @field_validator("words")
     @classmethod
@@ -254,6 +260,55 @@ class Require(_Strict):
                 "forcing after a clause starts earlier than forcing at any new word"
             )
         return self
+
+
+class ContextLevel(_Strict):
+    """The context level of a request's pipeline: prune its retrieved passages to a token budget before the
+    model reads them (:func:`narrative_gravity.context.prune_context`; see :mod:`narrative_gravity.pipeline`).
+
+    The budget is ``budget_tokens``, or ``budget_share`` of the passages' own tokens, whichever is smaller
+    (at least one of them is set; the default keeps 60% of the passages' tokens, the operating point measured
+    in docs/pruning.md).
+    """
+
+    encoder: Literal["tokens", "minilm"] = Field(
+        "tokens",
+        description="passage embeddings: tokens (MiniLM's token table, no transformer pass: fast) or minilm "
+        "(the sentence encoder: ranks a little better, costs about 2 s a request on two CPU cores)",
+    )
+    budget_tokens: int | None = Field(None, ge=1, le=1_000_000, description="at most this many passage tokens")
+    budget_share: float | None = Field(0.6, gt=0.0, le=1.0, description="at most this share of the passages' tokens")
+    lexical_weight: float = Field(0.3, ge=0.0, le=1.0, description="share of BM25 in a passage's score")
+    narrative_weight: float = Field(0.3, ge=0.0, le=1.0, description="share of the profile's narrative in the score")
+    cluster_threshold: float = Field(0.35, ge=0.0, le=1.0, description="cosine at which passages form one cluster")
+    cluster_margin: float = Field(0.2, ge=0.0, le=2.0, description="drop clusters this far below the best one")
+    mmr_lambda: float = Field(0.9, ge=0.0, le=1.0, description="relevance against novelty when picking passages")
+    duplicate_threshold: float = Field(0.95, ge=0.0, le=1.0, description="cosine at which a passage is a duplicate")
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> ContextLevel:
+        if self.budget_tokens is None and self.budget_share is None:
+            raise ValueError("context needs a budget: set budget_tokens, budget_share, or both")
+        return self
+
+
+class ConversationLevel(_Strict):
+    """The memory level: the topic of the conversation's earlier turns joins the field
+    (:class:`~narrative_gravity.memory.TopicMemory`; its words become the profile's ``memory``)."""
+
+    decay: float = Field(0.5, ge=0.0, lt=1.0, description="how much of the memory survives a turn")
+    max_words: int = Field(12, ge=1, le=64, description="the most words remembered")
+    answer_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of the assistant's words against the user's")
+
+
+class PlanLevel(_Strict):
+    """The plan level: draft outlines first, keep the best, and write stage by stage
+    (:mod:`narrative_gravity.plan`). Ignored when the profile writes its own ``stages``."""
+
+    drafts: int = Field(2, ge=1, le=8, description="outline drafts sampled in one batch")
+    sections: int = Field(3, ge=1, le=8, description="sections per outline (one stage each)")
+    outline_tokens: int = Field(28, ge=4, le=256, description="the token budget of one draft")
+    words_per_stage: int = Field(6, ge=1, le=32, description="a section's words that its stage pulls toward")
 
 
 class StageSpec(_Strict):
@@ -300,6 +355,13 @@ class Profile(_Strict):
     require: Require | None = Field(
         None, description="words the text must contain before it ends: a list, or {words, strength, force, ...}"
     )
+    context: ContextLevel | None = Field(
+        None, description="prune a request's passages to a token budget before decoding ({} for the defaults)"
+    )
+    conversation: ConversationLevel | None = Field(
+        None, description="remember the topic of a conversation's earlier turns ({} for the defaults)"
+    )
+    plan: PlanLevel | None = Field(None, description="draft outlines and write stage by stage ({} for the defaults)")
 
     @field_validator("require", mode="before")
     @classmethod
@@ -400,7 +462,20 @@ class Profile(_Strict):
 
 
 _NUMERIC.update(
-    {m.__name__: _numeric_fields(m) for m in (Phases, Thermostat, FieldOptions, StageSpec, Require, Profile)}
+    {
+        m.__name__: _numeric_fields(m)
+        for m in (
+            Phases,
+            Thermostat,
+            FieldOptions,
+            StageSpec,
+            Require,
+            ContextLevel,
+            ConversationLevel,
+            PlanLevel,
+            Profile,
+        )
+    }
 )
 
 _FIXES = {

@@ -147,6 +147,7 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
         force=opts.force,
         slack=opts.slack,
         window=opts.window,
+        spread=opts.spread,
     )
     _REQUIRE_CACHE[key] = (tokenizer, built)
     while len(_REQUIRE_CACHE) > FIELD_CACHE_SIZE:

@@ -74,6 +74,7 @@ class Sample:
     penalized: tuple[str, ...] = ()
     tokenizer: Any = None
     judge_context: str | None = None
+    required: tuple[str, ...] = ()
 
 
 class MetricContext:
@@ -345,6 +346,18 @@ def _topic_relevance(samples: Sequence[Sample], ctx: MetricContext) -> list[floa
     for i, v in zip(todo, vecs):
         out[i] = float(v @ ctx.centroid(tuple(samples[i].score_words)))
     return out
+
+
+@register_metric(
+    "required_inclusion",
+    higher_is_better=True,
+    description="share of the prompt's required words (its `require` list) that the text contains, whole word, "
+    "case-insensitive; undefined for prompts without required words",
+)
+def _required_inclusion(s: Sample) -> float:
+    if not s.required:
+        return NAN
+    return sum(contains_any(s.text, [w]) for w in s.required) / len(s.required)
 
 
 @register_metric(

@@ -7,7 +7,10 @@ A JSONL line is an object with a string ``prompt`` and, optionally:
   relevance and success when ``heldout`` is absent;
 - ``heldout``: a list of words used only for scoring (never given to a profile);
 - ``topic_name``: a label for per-topic tables;
-- ``profile``: the name of one of the given profiles; the prompt is then run with that profile only.
+- ``profile``: the name of one of the given profiles; the prompt is then run with that profile only;
+- ``require``: words the continuation must contain. Every profile with a ``require`` block runs the prompt
+  with these words in place of the block's own (its other settings stay), and the ``required_inclusion``
+  metric scores every arm, plain decoding included, by the share of them the text holds.
 
 ``topics`` reads ``prefixes.txt`` and ``wordlists/<topic>.txt`` from the shared bench folder and splits each
 word list deterministically: after stripping each line and dropping blank ones, the words at even positions
@@ -72,6 +75,7 @@ class EvalPrompt:
     topic_words: tuple[str, ...] = ()
     heldout_words: tuple[str, ...] = ()
     profile: str | None = None
+    required: tuple[str, ...] = ()
 
     def score_words(self) -> tuple[str, ...]:
         """The words that score topic relevance and success: held-out words if any, else the topic words."""
@@ -186,10 +190,10 @@ def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
                 raise ConfigurationError(f"{where}: not valid JSON ({exc.msg}); each line must be an object") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise ConfigurationError(f"{where}: each line must be a JSON object with a non-empty string `prompt`")
-            unknown = sorted(set(row) - {"prompt", "topic", "heldout", "topic_name", "profile"})
+            unknown = sorted(set(row) - {"prompt", "topic", "heldout", "topic_name", "profile", "require"})
             if unknown:
                 raise ConfigurationError(
-                    f"{where}: unknown keys {unknown}; allowed: prompt, topic, heldout, topic_name, profile"
+                    f"{where}: unknown keys {unknown}; allowed: prompt, topic, heldout, topic_name, profile, require"
                 )
             for key in ("topic_name", "profile"):
                 if row.get(key) is not None and not isinstance(row[key], str):
@@ -202,6 +206,7 @@ def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
                     _words(row.get("topic"), where, "topic"),
                     _words(row.get("heldout"), where, "heldout"),
                     row.get("profile"),
+                    _words(row.get("require"), where, "require"),
                 )
             )
     else:

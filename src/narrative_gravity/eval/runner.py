@@ -147,6 +147,16 @@ class _Plan:
     _auto: dict[tuple[str, ...], Profile] = field(default_factory=dict)  # (arm or "auto", *topic words)
 
     def profile_for(self, arm: str, prompt: EvalPrompt) -> Profile:
+        profile = self._topic_profile(arm, prompt)
+        if not prompt.required or profile.require is None:
+            return profile
+        key = ("require", arm, *prompt.topic_words, "\x00", *prompt.required)
+        if key not in self._auto:  # the prompt's words in place of the block's own
+            require = profile.require.model_copy(update={"words": list(prompt.required)})
+            self._auto[key] = profile.model_copy(update={"require": require})
+        return self._auto[key]
+
+    def _topic_profile(self, arm: str, prompt: EvalPrompt) -> Profile:
         a = self.arms[arm]
         if a.profile is not None:
             return a.profile
@@ -290,6 +300,7 @@ def run_manifest(settings: EvalSettings, plan: _Plan) -> dict[str, Any]:
             "topic": p.topic_name,
             "n_topic_words": len(p.topic_words),
             "n_heldout": len(p.heldout_words),
+            **({"require": list(p.required)} if p.required else {}),
         }
         for p in plan.prompts.values()
     ]
@@ -308,7 +319,7 @@ def run_manifest(settings: EvalSettings, plan: _Plan) -> dict[str, Any]:
         "settings": settings.to_json(),
         "arms": [CONTROL, *plan.arms],
         "prompts": prompts,
-        "prompts_digest": _digest([p.text for p in plan.prompts.values()]),
+        "prompts_digest": _digest([p.text if not p.required else [p.text, *p.required] for p in plan.prompts.values()]),
         "profiles": profiles,
         "profiles_digest": _digest(profiles),
         "n_chunks": len(plan.chunks),
@@ -507,6 +518,7 @@ class _Runner:
                     penalized=tuple(prof.penalized()) if prof is not None else (),
                     tokenizer=self.tok,
                     judge_context=self.judge_context(p.text),
+                    required=p.required,
                 )
             )
         return out

@@ -24,6 +24,7 @@ from .lexical import _Tokenizer
 __all__ = ["build_requirement", "token_tables"]
 
 _BREAK_CHARS = frozenset(".!?;:,\n")
+_SENTENCE_CHARS = frozenset(".!?\n")
 
 
 class _TokenizerKey:
@@ -40,15 +41,16 @@ class _TokenizerKey:
         return isinstance(other, _TokenizerKey) and other.tokenizer is self.tokenizer and other.key == self.key
 
 
-def token_tables(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """``(glue, breaks, stops)`` of ``tokenizer``: ``[V]`` bool tables of the tokens that continue the word
-    before them (their text starts with a letter or digit, or is part of a character) and of the tokens that
-    end a clause or a line, and the special token ids (end of sequence and the other control tokens)."""
+def token_tables(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(glue, breaks, sentence, stops)`` of ``tokenizer``: ``[V]`` bool tables of the tokens that continue the
+    word before them (their text starts with a letter or digit, or is part of a character), of the tokens that
+    end a clause or a line, and of those that end a sentence or a line; and the special token ids (end of
+    sequence and the other control tokens)."""
     return _token_tables(_TokenizerKey(tokenizer))
 
 
 @functools.lru_cache(maxsize=8)
-def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
     tok = key.tokenizer
     vocab = len(tok)
     texts = tok.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -57,6 +59,7 @@ def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, tuple
     special.update(i for i, t in added.items() if getattr(t, "special", False))
     glue = torch.zeros(vocab, dtype=torch.bool)
     breaks = torch.zeros(vocab, dtype=torch.bool)
+    sentence = torch.zeros(vocab, dtype=torch.bool)
     for i, text in enumerate(texts):
         if i in special or not text:
             continue
@@ -64,7 +67,8 @@ def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, tuple
         glue[i] = first == "\ufffd" or (first.isalnum() and not has_unspaced_script(first))
         stripped = text.rstrip(" \t")
         breaks[i] = bool(stripped) and (stripped[-1] in _BREAK_CHARS or "\n" in text)
-    return glue, breaks, tuple(sorted(i for i in special if 0 <= i < vocab))
+        sentence[i] = bool(stripped) and (stripped[-1] in _SENTENCE_CHARS or "\n" in text)
+    return glue, breaks, sentence, tuple(sorted(i for i in special if 0 <= i < vocab))
 
 
 def build_requirement(
@@ -77,6 +81,7 @@ def build_requirement(
     force: bool = True,
     slack: int = 6,
     window: int = 24,
+    spread: bool = False,
     max_pieces: int = 16,
 ) -> Requirement:
     """The :class:`~narrative_gravity.gravity.require.Requirement` of ``words`` for ``tokenizer``.
@@ -111,7 +116,8 @@ def build_requirement(
         forms.append(tuple(dict.fromkeys(f.ids for f in usable)))
         starts.append(tuple(dict.fromkeys(st)))
         boundary.append(not unspaced)
-    glue, breaks, special = token_tables(tokenizer)
+    glue, breaks, sentence, special = token_tables(tokenizer)
+    capital = tuple(tuple(tokenizer.decode(list(f)).lstrip()[:1].isupper() for f in st) for st in starts)
     return Requirement(
         words=tuple(unique),
         forms=tuple(forms),
@@ -119,10 +125,13 @@ def build_requirement(
         boundary=tuple(boundary),
         glue=glue,
         breaks=breaks,
+        sentence=sentence,
+        capital=capital,
         stops=tuple(special if stops is None else stops),
         strength=float(strength),
         curve=float(curve),
         force=bool(force),
         slack=int(slack),
         window=int(window),
+        spread=bool(spread),
     )

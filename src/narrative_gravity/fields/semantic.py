@@ -28,6 +28,7 @@ recently used files are removed when a new one is written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -294,6 +295,22 @@ class _Vocab:
         self.spaced[:n] = torch.tensor(spaced, dtype=torch.bool)
 
 
+_VOCABS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], _Vocab]] = weakref.WeakKeyDictionary()
+
+
+def _vocab(tokenizer: Any, vocab_size: int) -> _Vocab:
+    """The :class:`_Vocab` of a tokenizer, decoded once per tokenizer object and size (half a second for 49k tokens:
+    a new topic's field then costs its topic vectors and one pass of scores, not a decode of the vocabulary)."""
+    try:
+        per = _VOCABS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: decode every time
+        return _Vocab(tokenizer, vocab_size)
+    key = (len(tokenizer), vocab_size)
+    if key not in per:
+        per[key] = _Vocab(tokenizer, vocab_size)
+    return per[key]
+
+
 def _special_ids(tokenizer: Any) -> set[int]:
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -373,7 +390,7 @@ def _scores(
     progress: bool,
 ) -> tuple[torch.Tensor, _Vocab]:
     """Z-scores ``[vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
-    vocab = _Vocab(tokenizer, vocab_size)
+    vocab = _vocab(tokenizer, vocab_size)
     if source == "lm":
         emb = _lm_embeddings(model).detach().float().cpu()
         if emb.shape[0] < vocab_size:
@@ -449,8 +466,10 @@ def _values_from_scores(
 # --- MiniLM ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
 def _minilm_encoder() -> Encoder:
-    """Load all-MiniLM-L6-v2 from the installed package; returns ``encode(texts) -> [n, 384]`` (unit rows).
+    """Load all-MiniLM-L6-v2 from the installed package (once per process); returns ``encode(texts) -> [n, 384]``
+    (unit rows).
 
     Texts are tokenized once, identical wordpiece sequences are encoded once (MiniLM is uncased, so
     ``Planet``, ``planet`` and `` planet`` are one sequence), and sequences of equal length are batched

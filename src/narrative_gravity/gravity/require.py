@@ -60,12 +60,19 @@ class Requirement:
         boundary: per word, whether it counts only when the next token does not continue it.
         glue: ``[V]`` bool, tokens that continue the word before them.
         breaks: ``[V]`` bool, tokens that end a clause or a line.
+        sentence: ``[V]`` bool, tokens that end a sentence or a line (after them a word starts with a capital
+            where it has a capitalized form); ``None``: none known.
+        capital: per word, per start form, whether it starts with a capital letter; ``None``: none does.
         stops: ids that end the text (end of sequence, special tokens); masked while a word is missing.
         strength: the pull on a missing word's first piece at the deadline (λ, as for the field).
         curve: the pull is ``strength · progress^curve``, progress running from 0 to 1 at the deadline.
         force: force the missing words when the budget only just fits them (else only the pull).
         slack: tokens before the deadline from which a word is forced where the model starts a new word.
         window: tokens before the deadline from which a word is forced right after a clause ends.
+        spread: spread the words over the budget: the ``k``-th of ``n`` words is due at ``(k + 1) / (n + 1)``
+            of it (the pull rises toward that point, and from ``window`` tokens before it the word may be
+            forced right after a clause ends), so that the text has room to follow each word; the last
+            moment of the whole budget stays the hard deadline.
     """
 
     words: tuple[str, ...]
@@ -75,11 +82,14 @@ class Requirement:
     glue: torch.Tensor
     breaks: torch.Tensor
     stops: tuple[int, ...] = ()
+    sentence: torch.Tensor | None = None
+    capital: tuple[tuple[bool, ...], ...] | None = None
     strength: float = 4.0
     curve: float = 2.0
     force: bool = True
     slack: int = 6
     window: int = 24
+    spread: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.words)
@@ -90,6 +100,10 @@ class Requirement:
                 raise ConfigurationError(f"required word {word!r} has no token sequence that writes it")
         if self.glue.dim() != 1 or self.glue.shape != self.breaks.shape:
             raise ConfigurationError("`glue` and `breaks` have to be [V] bool tensors of the same vocabulary")
+        if self.sentence is not None and self.sentence.shape != self.glue.shape:
+            raise ConfigurationError("`sentence` has to be a [V] bool tensor of the same vocabulary as `glue`")
+        if self.capital is not None and [len(c) for c in self.capital] != [len(s) for s in self.starts]:
+            raise ConfigurationError("`capital` needs one flag per start form of each word")
         if not (math.isfinite(self.strength) and 0.0 <= self.strength <= 50.0):
             raise ConfigurationError(f"`strength` has to be in [0, 50], but is {self.strength!r}")
         if not (math.isfinite(self.curve) and self.curve > 0.0):
@@ -148,12 +162,16 @@ class RequireTables:
     ct_len: torch.Tensor | None  # [E] tokens in each prefix
     glue: torch.Tensor  # [V + 1] bool; the last entry (no token) is False
     breaks: torch.Tensor  # [V + 1] bool
+    sentence: torch.Tensor  # [V + 1] bool
+    st_cap: torch.Tensor  # [S] bool: the start form begins with a capital
+    has_cap: torch.Tensor  # [Q + 1, W] bool: the word has a start form with a capital
     stops: torch.Tensor  # [n] long
     strength: torch.Tensor  # [Q + 1] float32
     curve: torch.Tensor
     force: torch.Tensor  # [Q + 1] bool
     slack: torch.Tensor  # [Q + 1] long
     window: torch.Tensor
+    spread: torch.Tensor  # [Q + 1] bool
     any_force: bool
     n_words: int
 
@@ -169,10 +187,12 @@ class RequireTables:
         length = torch.zeros(q_n + 1, w_n, dtype=torch.long)
         boundary = torch.zeros(q_n + 1, w_n, dtype=torch.bool)
         det: list[tuple[int, int, tuple[int, ...]]] = []
-        starts: list[tuple[int, int, bool, int, int]] = []
+        starts: list[tuple[int, int, bool, int, int, bool]] = []
+        has_cap = torch.zeros(q_n + 1, w_n, dtype=torch.bool)
         conts: list[tuple[int, int, tuple[int, ...], int, int]] = []
         for q, req in enumerate(requirements):
             for w, (forms, st) in enumerate(zip(req.forms, req.starts)):
+                caps = dict(zip(st, req.capital[w] if req.capital is not None else [False] * len(st)))
                 st = [f for f in st if all(0 <= t < vocab for t in f)]
                 if not st:
                     continue  # the logits cannot write it: the word is not asked for here
@@ -180,8 +200,9 @@ class RequireTables:
                 length[q, w] = min(len(f) for f in st)
                 boundary[q, w] = req.boundary[w]
                 det += [(q, w, f) for f in forms if all(0 <= t < vocab for t in f)]
+                has_cap[q, w] = any(caps[f] for f in st)
                 for f in dict.fromkeys(st):
-                    starts.append((q, w, len(f) == int(length[q, w]), f[0], len(f)))
+                    starts.append((q, w, len(f) == int(length[q, w]), f[0], len(f), caps[f]))
                     conts += [(q, w, f[:k], f[k], len(f) - k) for k in range(1, len(f))]
         ids = sorted({st[3] for st in starts} | {c[3] for c in conts})
         pos = {t: i for i, t in enumerate(ids)}
@@ -195,11 +216,14 @@ class RequireTables:
 
         glue = torch.zeros(vocab + 1, dtype=torch.bool)
         breaks = torch.zeros(vocab + 1, dtype=torch.bool)
+        sentence = torch.zeros(vocab + 1, dtype=torch.bool)
         stops: set[int] = set()
         for req in requirements:
             n = min(vocab, req.glue.shape[0])
             glue[:n] |= req.glue[:n].cpu()
             breaks[:n] |= req.breaks[:n].cpu()
+            if req.sentence is not None:
+                sentence[:n] |= req.sentence[:n].cpu()
             stops.update(t for t in req.stops if 0 <= t < vocab)
 
         def per_q(values: list[float], dtype: torch.dtype, fill: float) -> torch.Tensor:
@@ -227,12 +251,16 @@ class RequireTables:
             ct_len=col([len(c[2]) for c in conts]) if conts else None,
             glue=glue.to(dev),
             breaks=breaks.to(dev),
+            sentence=sentence.to(dev),
+            st_cap=torch.tensor([s[5] for s in starts], dtype=torch.bool, device=dev),
+            has_cap=has_cap.to(dev),
             stops=col(sorted(stops)),
             strength=per_q([r.strength for r in requirements], torch.float32, 0.0),
             curve=per_q([r.curve for r in requirements], torch.float32, 1.0),
             force=per_q([r.force for r in requirements], torch.bool, False),
             slack=per_q([r.slack for r in requirements], torch.long, 0),
             window=per_q([r.window for r in requirements], torch.long, 0),
+            spread=per_q([r.spread for r in requirements], torch.bool, False),
             any_force=any(r.force for r in requirements),
             n_words=w_n,
         )
@@ -311,6 +339,10 @@ def pull_required(
     need = (alive * length).sum(dim=-1)
     lead = left - need  # tokens to spare once the missing words are written
     # a form fits when it, and the shortest forms of the other missing words, fit in what is left
+    # after a sentence ends, a word that has a capitalized form starts with it
+    after_sentence = tables.token_flags(tables.sentence, recent[:, -1])
+    lower_after_end = after_sentence[:, None] & tables.has_cap[q].gather(1, st_w) & ~tables.st_cap[None]
+    st_on = st_on & ~lower_after_end
     st_fit = st_on & (tables.st_len[None] + need[:, None] - length.gather(1, st_w) <= left[:, None])
     fallback = st_on & tables.st_short[None]  # nothing fits any more: the shortest forms
     st_use = torch.where(st_fit.any(dim=-1, keepdim=True), st_fit, fallback)
@@ -318,8 +350,16 @@ def pull_required(
     if ct_on is not None:
         ct_fit = ct_on & (tables.ct_rest[None] + need[:, None] - length.gather(1, ct_w) <= left[:, None])
         mid = ct_fit.any(dim=-1)
-    room = (budget - need - tables.slack[q]).clamp_min(1).to(torch.float32)
-    progress = torch.where(has_budget, (step.to(torch.float32) / room).clamp(0.0, 1.0), 0.5)
+    # spread: the k-th of n words is due at (k + 1) / (n + 1) of the budget, and the pull rises toward that point
+    asked = tables.has[q]
+    n_words = asked.sum(dim=-1)
+    written = (asked & (done | just)).sum(dim=-1)
+    soft_end = torch.div(budget * (written + 1), n_words + 1, rounding_mode="floor")
+    shortest = torch.where(alive, length, 2**40).min(dim=-1).values
+    spread = tables.spread[q]
+    soft_lead = torch.where(spread & missing, soft_end - step - shortest, 2**40)
+    end = torch.where(spread, soft_end - shortest, budget - need) - tables.slack[q]
+    progress = torch.where(has_budget, (step.to(torch.float32) / end.clamp_min(1)).clamp(0.0, 1.0), 0.5)
     lam = tables.strength[q] * progress.pow(tables.curve[q])  # [B]
 
     n_ids = tables.ids.numel()
@@ -335,22 +375,20 @@ def pull_required(
         top = out.argmax(dim=-1)
         starts_word = ~tables.token_flags(tables.glue, top)
         after_break = tables.token_flags(tables.breaks, recent[:, -1])
-        due = (
-            missing
-            & force
-            & ((lead <= 1) | ((lead <= tables.slack[q]) & starts_word) | ((lead <= tables.window[q]) & after_break))
-        )
+        window = tables.window[q]
+        near = torch.minimum(lead, soft_lead) <= window
+        due = missing & force & ((lead <= 1) | ((lead <= tables.slack[q]) & starts_word) | (near & after_break))
         allow = torch.zeros(b, n_ids, dtype=torch.float32, device=out.device)
         allow.index_add_(1, tables.st_pos, (st_use & ~mid[:, None]).float())
         if ct_fit is not None:
-            due = due | (mid & force & (lead <= tables.window[q]))
+            due = due | (mid & force & near)
             allow.index_add_(1, tables.ct_pos, ct_fit.float())
         allowed = allow > 0
         due = due & (allowed & torch.isfinite(values)).any(dim=-1)  # never force a row into nothing
         out.masked_fill_(due[:, None], neg)
         pulled = torch.where(due[:, None] & ~allowed, neg, pulled)
         # a required word near its deadline stands whole: no token may glue onto it
-        seal = just.any(dim=-1) & force & (lead <= tables.window[q])
+        seal = just.any(dim=-1) & force & near
         glue = tables.glue[:vocab]
         sealed = seal[:, None] & glue[None]
         keeps = (torch.isfinite(out) & ~sealed).any(dim=-1, keepdim=True)

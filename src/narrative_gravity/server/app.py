@@ -7,6 +7,9 @@ Routes (all but ``/health`` need ``Authorization: Bearer KEY`` when the server h
 - ``GET /v1/models``, ``GET /v1/models/{id}``.
 - ``GET /v1/profiles``; ``GET|PUT /v1/profiles/{name}``; ``GET /v1/profiles/{name}/history``;
   ``GET /v1/profiles/{name}/diff?from=A&to=B``; ``POST /v1/profiles/{name}/rollback`` with ``{"to": N}``.
+- Rollout (:mod:`.rollout_routes`): ``POST /v1/profiles/{name}/stage`` and ``/promote``,
+  ``GET|PUT /v1/profiles/{name}/rollout``, ``GET /v1/profiles/{name}/report``. Requests of stored profiles are
+  recorded per arm, and shadows run after the answer (:mod:`.shadow`).
 - ``GET /metrics`` (Prometheus text) and ``GET /health``.
 - The playground: the page at ``GET /`` (open, like its files under ``/playground/``) and the routes it adds for
   scripts too, ``GET /v1/playground``, ``POST /v1/validate``, ``POST /v1/score`` (see
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -53,13 +57,16 @@ else:
     _MISSING = None
 
 from ..profile import Profile
+from ..rollout import route_key
 from ..store import ProfileStore, StoreDamagedError
+from .arms import ArmRecorder
 from .backend import Backend, ResolvedGravity, RowStats, Sampling
 from .config import ServerConfig
 from .detok import ChoiceText
 from .gravity import GravityResolver, public_message
 from .limits import check_gravity, check_profile
 from .metrics import CONTENT_TYPE, Metrics
+from .pipeline import PipelineRun, plan_request, request_passages
 from .playground import add_playground
 from .protocol import (
     APIError,
@@ -72,7 +79,10 @@ from .protocol import (
     parse_json,
     parse_request,
 )
+from .rollout_routes import add_rollout_routes
 from .scheduler import Job, make_scheduler
+from .shadow import FollowUps
+from .structured import check_response_format, parse_response_format
 
 __all__ = ["create_app", "serve", "uvicorn_config"]
 
@@ -300,6 +310,14 @@ def create_app(
     metrics = metrics if metrics is not None else Metrics()
     resolver = GravityResolver(store)
     scheduler = make_scheduler(backend, config, metrics)
+    followups = FollowUps(
+        scheduler=scheduler,
+        resolver=resolver,
+        recorder=ArmRecorder(store, metrics, backend),
+        backend=backend,
+        config=config,
+        metrics=metrics,
+    )
     started_at = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -314,6 +332,7 @@ def create_app(
         try:
             yield
         finally:
+            await followups.close()
             await scheduler.stop()
 
     app = FastAPI(
@@ -327,6 +346,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.store = store
     app.state.backend = backend
+    app.state.followups = followups
     app.add_middleware(
         _GuardMiddleware,
         api_key=config.api_key,
@@ -413,7 +433,7 @@ def create_app(
 
     # --------------------------------------------------------------------------------------- generation
 
-    async def resolve_gravity(spec: Any) -> ResolvedGravity | None:
+    async def resolve_gravity(spec: Any, *, key: str | None = None, routed: bool = True) -> ResolvedGravity | None:
         if spec is not None and not config.allow_inline_gravity and not (isinstance(spec, dict) and "profile" in spec):
             raise APIError(
                 403,
@@ -423,7 +443,7 @@ def create_app(
             )
 
         def work() -> ResolvedGravity | None:
-            gravity = resolver.resolve(spec)
+            gravity = resolver.resolve(spec, route_key=key, routed=routed)
             check_gravity(gravity, backend, config)  # everything the rows could fail on, before they are queued
             return gravity
 
@@ -482,6 +502,7 @@ def create_app(
             default_max_tokens=config.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
             max_tokens_limit=config.max_tokens_limit,
         )
+        fmt = parse_response_format(req.response_format)
         rows = len(prompts) * params.n
         if rows > config.max_choices:
             raise APIError(
@@ -490,11 +511,27 @@ def create_app(
                 param="n",
             )
         param = "messages" if chat else "prompt"
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        run: PipelineRun | None = None
+        gravity: ResolvedGravity | None = None
+        passages: list[Any] = []
+        if chat:  # the pipeline (.pipeline): passages pruned, earlier turns remembered, a plan, before encoding
+            messages, passages = request_passages(prompts[0], req.documents)
+            prompts = [messages]
+            if passages or req.gravity is not None:
+                gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed))
+                run = await plan_request(
+                    messages, passages, gravity, backend=backend, scheduler=scheduler, config=config, seed=seed
+                )
+                if run is not None:
+                    prompts, gravity = [run.messages], run.gravity
         encoded = [encode(p, chat=chat) for p in prompts]
         for ids in encoded:
             check_length(ids, params.max_tokens, param)
-        gravity = await resolve_gravity(req.gravity)
-        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        if not (chat and (passages or req.gravity is not None)):
+            gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed))
+        if fmt is not None:  # the engine compiles the schema now: a bad one is this request's 400, not a batch's
+            await asyncio.to_thread(check_response_format, fmt, backend)
         job = Job()
         for ids in encoded:
             for _ in range(params.n):
@@ -503,7 +540,8 @@ def create_app(
                     max_tokens=params.max_tokens,
                     sampling=Sampling(params.temperature, params.top_p, params.top_k, (seed + len(job.rows)) % 2**63),
                     gravity=gravity,
-                    trace=params.include_trace,
+                    trace=params.include_trace or followups.wants_means(gravity),
+                    response_format=fmt,
                 )
         scheduler.submit(job.rows)
         reader = _Reader(job, backend, params, started)
@@ -515,17 +553,30 @@ def create_app(
             model=backend.model_id,
             gravity=gravity,
             prompt_tokens=prompt_tokens,
+            pipeline=run,
         )
         label = gravity.label if gravity is not None else "none"
         endpoint = "chat" if chat else "completions"
 
         def done() -> None:
+            seconds = time.perf_counter() - started
             metrics.request_done(
                 endpoint,
                 label,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=reader.completion_tokens,
-                seconds=time.perf_counter() - started,
+                seconds=seconds,
+                ttft=reader.ttft,
+            )
+            followups.finished(  # records the arm and runs a shadow, after the answer and in the background
+                job=job,
+                gravity=gravity,
+                stats=reader.stats,
+                request_id=ctx.id,
+                endpoint=endpoint,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=reader.completion_tokens,
+                seconds=seconds,
                 ttft=reader.ttft,
             )
 
@@ -628,8 +679,8 @@ def create_app(
     @app.get("/v1/profiles/{name}")
     async def get_profile(name: str, request: Request) -> dict[str, Any]:
         version = int_query(request, "version", required=False)
-        snap = await store_call(lambda: store.snapshot(name, version), name, version)
-        return snapshot_json(name, snap)
+        snap, live = await store_call(lambda: (store.snapshot(name, version), store.live_version(name)), name, version)
+        return {**snapshot_json(name, snap), "live": live}
 
     @app.api_route("/v1/profiles/{name}", methods=["PUT", "POST"])
     async def set_profile(name: str, request: Request) -> dict[str, Any]:
@@ -657,8 +708,9 @@ def create_app(
 
     @app.get("/v1/profiles/{name}/history")
     async def profile_history(name: str) -> dict[str, Any]:
-        infos = await store_call(lambda: store.history(name), name)
-        return {"object": "list", "name": name, "data": [vars(i) for i in infos]}
+        infos, live = await store_call(lambda: (store.history(name), store.live_version(name)), name)
+        data = [{**vars(i), "live": i.version == live, "staged": i.version > live} for i in infos]
+        return {"object": "list", "name": name, "live": live, "data": data}
 
     @app.get("/v1/profiles/{name}/diff")
     async def profile_diff(name: str, request: Request) -> dict[str, Any]:
@@ -680,8 +732,14 @@ def create_app(
     async def read_json(request: Request) -> Any:
         return parse_json(await _read_body(request, config.max_body_bytes))
 
-    add_playground(
-        app, backend=backend, config=config, read_json=read_json, resolve_gravity=resolve_gravity, encode=encode
+    add_rollout_routes(app, store=store, config=config, store_call=store_call, read_body=read_body)
+    add_playground(  # the playground shows the live (or a pinned) version: no split, no shadow
+        app,
+        backend=backend,
+        config=config,
+        read_json=read_json,
+        resolve_gravity=functools.partial(resolve_gravity, routed=False),
+        encode=encode,
     )
     return app
 
@@ -693,7 +751,15 @@ class _Context:
     """What every chunk or response of one request repeats."""
 
     def __init__(
-        self, *, chat: bool, id: str, created: int, model: str, gravity: ResolvedGravity | None, prompt_tokens: int
+        self,
+        *,
+        chat: bool,
+        id: str,
+        created: int,
+        model: str,
+        gravity: ResolvedGravity | None,
+        prompt_tokens: int,
+        pipeline: PipelineRun | None = None,
     ) -> None:
         self.chat = chat
         self.id = id
@@ -701,6 +767,7 @@ class _Context:
         self.model = model
         self.gravity = gravity
         self.prompt_tokens = prompt_tokens
+        self.pipeline = pipeline
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
@@ -737,6 +804,8 @@ class _Context:
         gravity = self.gravity_json(reader)
         if gravity is not None:
             body["gravity"] = gravity
+        if self.pipeline is not None:  # what each level did, and the stages each choice reached
+            body["pipeline"] = self.pipeline.finish([t.text for t in reader.texts])
         return body
 
     def chunk(
@@ -767,6 +836,8 @@ class _Context:
         }
         if first and self.gravity is not None:
             out["gravity"] = self.gravity_json()
+        if first and self.pipeline is not None:
+            out["pipeline"] = self.pipeline.report
         return out
 
 

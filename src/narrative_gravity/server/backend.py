@@ -61,6 +61,9 @@ class ResolvedGravity:
 
     ``label`` names it in metrics: the store name for named profiles, ``"inline"`` for inline mappings, with
     ``":measure_only"`` added for a profile that is measured but does not pull (``measure_only``).
+
+    A named profile also has its ``arm`` (see :mod:`~narrative_gravity.rollout`: ``live``, ``pinned``,
+    ``split:a``, ``split:b``, ``shadow``), and ``shadow`` says whether the request gets a shadow run too.
     """
 
     profile: Profile
@@ -69,11 +72,15 @@ class ResolvedGravity:
     name: str | None = None
     version: int | None = None
     measure_only: bool = False
+    arm: str | None = None
+    shadow: bool = False
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"profile": self.label.removesuffix(MEASURE_ONLY_SUFFIX)}
         if self.version is not None:
             out["version"] = self.version
+        if self.arm is not None:
+            out["arm"] = self.arm
         if self.measure_only:
             out["measure_only"] = True
         return out
@@ -105,6 +112,10 @@ class GenerationRow(Protocol):
     """One sequence of a batch, as a backend sees it. ``cancelled`` may turn true while the batch runs.
 
     ``trace`` (read with ``getattr(row, "trace", False)``): the request asked for per-token stats.
+    ``response_format`` (read with ``getattr(row, "response_format", None)``): a
+    :class:`~narrative_gravity.server.structured.ResponseFormat` the reply must match; a backend that can
+    constrain replies also has ``prepare_format(fmt)``, which compiles it (and raises on a bad schema) before
+    the row is queued.
     """
 
     prompt_ids: list[int]

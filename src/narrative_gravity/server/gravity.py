@@ -6,6 +6,12 @@ reads the profile's head with :meth:`~narrative_gravity.store.ProfileStore.head_
 so a new version set with ``ngrav profile set`` or ``PUT /v1/profiles/NAME`` is used by the next request,
 with no restart. Snapshots are read once per version and kept in a small LRU cache.
 
+**Rollout.** A request without a version gets the profile's *live* version (the store's live pointer; the head
+when there is none), or, when the profile has a rollout config (:mod:`~narrative_gravity.rollout`), the version of
+the arm its routing key picks: ``resolve(spec, route_key=...)``. The arm is in ``describe()``. A request that pins
+``"version"`` bypasses the split (arm ``pinned``). The rollout config is read with the live pointer on every
+request (two ``stat`` calls), so a change applies to the next request.
+
 Either form may add ``"measure_only": true``: the text is generated without any pull (as with no ``gravity``),
 while the profile's field is still measured, so a plain run reports the same entropy and narrative mass as a
 steered one (what ``ngrav compare`` calls the control). The profile is turned into one whose λ is always 0,
@@ -19,14 +25,23 @@ so every engine runs it the same way.
 1
 >>> resolver = GravityResolver(store)
 >>> resolver.resolve({"profile": "space"}).describe()
-{'profile': 'space', 'version': 1}
+{'profile': 'space', 'version': 1, 'arm': 'live'}
 >>> store.set("space", {"core_semantics": ["orbit"], "gravity_strength": 3.0})
 2
 >>> resolver.resolve({"profile": "space"}).profile.gravity_strength
 3.0
 >>> plain = resolver.resolve({"profile": "space", "measure_only": True})
 >>> plain.profile.gravity_strength, plain.profile.schedule, plain.describe()
-(0.0, 'constant', {'profile': 'space', 'version': 2, 'measure_only': True})
+(0.0, 'constant', {'profile': 'space', 'version': 2, 'arm': 'live', 'measure_only': True})
+>>> store.stage("space", {"core_semantics": ["orbit"], "gravity_strength": 9.0})
+3
+>>> resolver.resolve({"profile": "space"}).version  # staged: not served
+2
+>>> _ = store.set_rollout("space", {"split": {"version": 3, "share": 1.0}})
+>>> resolver.resolve({"profile": "space"}, route_key="user:ada").describe()
+{'profile': 'space', 'version': 3, 'arm': 'split:b'}
+>>> resolver.resolve({"profile": "space", "version": 1}).describe()  # a pinned version bypasses the split
+{'profile': 'space', 'version': 1, 'arm': 'pinned'}
 >>> resolver.resolve({"profile": "spcae"})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
@@ -45,6 +60,7 @@ from typing import Any
 
 from ..errors import ProfileError, StoreError
 from ..profile import Profile
+from ..rollout import SHADOW, route
 from ..store import ProfileStore, StoreDamagedError
 from .backend import MEASURE_ONLY_SUFFIX, ResolvedGravity
 from .protocol import APIError
@@ -85,8 +101,12 @@ class GravityResolver:
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def resolve(self, spec: Any) -> ResolvedGravity | None:
-        """``None`` for no gravity; raises :class:`~narrative_gravity.server.protocol.APIError` for bad specs."""
+    def resolve(self, spec: Any, *, route_key: str | None = None, routed: bool = True) -> ResolvedGravity | None:
+        """``None`` for no gravity; raises :class:`~narrative_gravity.server.protocol.APIError` for bad specs.
+
+        ``route_key`` makes the arm of a named profile deterministic (see :func:`~narrative_gravity.rollout.route`);
+        ``routed=False`` ignores the rollout config (the live version, no shadow).
+        """
         if spec is None:
             return None
         if not isinstance(spec, dict):
@@ -104,7 +124,7 @@ class GravityResolver:
                 param="gravity.measure_only",
             )
         if "profile" in spec:
-            resolved = self._named(spec)
+            resolved = self._named(spec, route_key=route_key, routed=routed)
         else:
             inline = {k: v for k, v in spec.items() if k != "measure_only"}
             try:
@@ -116,9 +136,17 @@ class GravityResolver:
             return resolved
         profile = measuring_profile(resolved.profile)
         label = resolved.label + MEASURE_ONLY_SUFFIX
-        return replace(resolved, profile=profile, key=_key(profile), label=label, measure_only=True)
+        return replace(resolved, profile=profile, key=_key(profile), label=label, measure_only=True, shadow=False)
 
-    def _named(self, spec: dict[str, Any]) -> ResolvedGravity:
+    def shadow_of(self, resolved: ResolvedGravity) -> ResolvedGravity:
+        """The shadow of a request served with ``resolved``: the same version, measured, with no pull."""
+        profile = measuring_profile(resolved.profile)
+        label = resolved.label.removesuffix(MEASURE_ONLY_SUFFIX) + MEASURE_ONLY_SUFFIX
+        return replace(
+            resolved, profile=profile, key=_key(profile), label=label, measure_only=True, arm=SHADOW, shadow=False
+        )
+
+    def _named(self, spec: dict[str, Any], *, route_key: str | None, routed: bool) -> ResolvedGravity:
         extra = set(spec) - _REFERENCE_KEYS
         if extra:
             raise APIError(
@@ -134,27 +162,26 @@ class GravityResolver:
             raise APIError(
                 400, f"`gravity.version` must be a whole number >= 1, but is {version!r}", param="gravity.version"
             )
-        try:
-            head = self.store.head_version(name)  # one folder listing: the hot-reload check
-        except StoreError as exc:
-            raise APIError(400, public_message(exc, self.store), param="gravity.profile", code="invalid_name") from None
-        if head == 0:
+        info = self._route_info(name)  # a folder listing and two stats: the hot-reload check
+        if info.head == 0:
             try:
                 self.store.get(name)
+            except StoreDamagedError:
+                pass  # reported by _route_info below
             except StoreError as exc:  # the store's message lists the names and guesses the intended one
                 raise APIError(
                     404, public_message(exc, self.store), param="gravity.profile", code="profile_not_found"
                 ) from None
-            head = self.store.head_version(name)  # it was stored a moment ago
-        if version is None:
-            version = head
-        elif version > head:  # versions are contiguous, 1..head
+            info = self._route_info(name)  # it was stored a moment ago
+        if version is not None and version > info.head:  # versions are contiguous, 1..head
             raise APIError(
                 404,
-                f"profile {name!r} has no version {version}; its newest is {head}",
+                f"profile {name!r} has no version {version}; its newest is {info.head}",
                 param="gravity.version",
                 code="version_not_found",
             )
+        picked = route(info.rollout if routed else None, name=name, live=info.live, key=route_key, pinned=version)
+        version = picked.version
         try:
             profile = self._load(name, version)
         except StoreDamagedError as exc:  # our fault, not the client's
@@ -165,7 +192,29 @@ class GravityResolver:
                 param="gravity.profile",
                 code="store_error",
             ) from None
-        return ResolvedGravity(profile=profile, label=name, key=_key(profile), name=name, version=version)
+        return ResolvedGravity(
+            profile=profile,
+            label=name,
+            key=_key(profile),
+            name=name,
+            version=version,
+            arm=picked.arm,
+            shadow=picked.shadow,
+        )
+
+    def _route_info(self, name: str) -> Any:
+        try:
+            return self.store.route_info(name)
+        except StoreDamagedError as exc:  # our fault, not the client's
+            log.error("profile %r cannot be routed: %s", name, exc)
+            raise APIError(
+                500,
+                f"profile {name!r} cannot be read from the store; the server log has the details",
+                param="gravity.profile",
+                code="store_error",
+            ) from None
+        except StoreError as exc:
+            raise APIError(400, public_message(exc, self.store), param="gravity.profile", code="invalid_name") from None
 
     def _load(self, name: str, version: int) -> Profile:
         with self._lock:

@@ -6,6 +6,9 @@ A batch may mix profiles, token budgets and sampling settings, and still runs as
   that profile's own :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` (so controllers,
   continuations, pruning and traces work exactly as in ``ngrav generate``, and the math stays in
   :func:`~narrative_gravity.gravity.tilt.apply_gravity`). One loop iteration per *group*, not per row.
+- Rows with a ``response_format`` are constrained first by
+  :class:`~narrative_gravity.server.grammar.GrammarLogitsProcessor` (a JSON-schema grammar per row, llguidance),
+  so that gravity pulls, and its thermostat measures, the distribution the grammar allows.
 - :class:`RowSamplerLogitsProcessor` samples each row with its own temperature, top-k, top-p and seeded
   generator, and leaves a single finite logit, so ``generate`` runs greedily and picks exactly that token. A
   request's sample therefore does not depend on which other requests share its batch.
@@ -42,6 +45,8 @@ from ..gravity.thermo import METRICS, Measurement, Trace
 from ..profile import Profile
 from ..steer import field_from_profile, processor_from_profile
 from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText, TokenStats
+from .grammar import GrammarLogitsProcessor, GuidanceGrammars
+from .structured import ResponseFormat
 
 __all__ = [
     "GroupedGravityLogitsProcessor",
@@ -213,6 +218,8 @@ class HFBackend(TokenizerText):
         self.max_context = int(max_context or positions or 2048)
         self.vocab_size = int(getattr(model.config, "vocab_size", None) or len(tokenizer))
         self._prepare_lock = threading.Lock()
+        self._grammars: GuidanceGrammars | None = None
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def load(cls, name: str | os.PathLike[str] | None = None, *, device: str = "cpu") -> HFBackend:
@@ -231,6 +238,17 @@ class HFBackend(TokenizerText):
         with self._prepare_lock:
             field_from_profile(profile, self.tokenizer, model=self.model)
             processor_from_profile(profile, self.tokenizer, max_new_tokens=_PREPARE_TOKENS, model=self.model)
+
+    def prepare_format(self, fmt: ResponseFormat) -> None:
+        """Compile ``fmt``'s grammar (cached), so that a schema llguidance cannot compile fails its request here."""
+        self.grammars().grammar(fmt)
+
+    def grammars(self) -> GuidanceGrammars:
+        """The llguidance grammars of this model's tokenizer (built on the first structured request)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GuidanceGrammars(self.tokenizer, vocab_size=self.vocab_size, eos_ids=self.eos_ids)
+            return self._grammars
 
     # ------------------------------------------------------------------------------------------- generation
 
@@ -258,6 +276,9 @@ class HFBackend(TokenizerText):
             pairs.append((torch.tensor(members, dtype=torch.long, device=self.device), processor))
             traced.append((members, trace))
         processors = LogitsProcessorList()
+        formats = [getattr(r, "response_format", None) for r in rows]
+        if any(f is not None for f in formats):  # the grammar first: gravity pulls what it allows
+            processors.append(GrammarLogitsProcessor(self.grammars(), formats, width))
         if pairs:
             processors.append(GroupedGravityLogitsProcessor(pairs))
         if any(not r.sampling.greedy for r in rows):

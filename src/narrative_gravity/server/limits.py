@@ -53,6 +53,8 @@ def check_profile(profile: Profile, config: ServerConfig, *, param: str = "gravi
         (f"{param}.penalize", profile.penalize),
     ]
     lists += [(f"{param}.stages.{i}.core_semantics", s.core_semantics) for i, s in enumerate(stages)]
+    if profile.require is not None:
+        lists.append((f"{param}.require.words", profile.require.words))
     for where, words in lists:
         if len(words) > config.max_words_per_list:
             raise APIError(

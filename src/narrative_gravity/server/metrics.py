@@ -2,6 +2,12 @@
 
 Per profile (``label``: the store name, ``inline``, or ``none``): requests, prompt and generated tokens, a
 latency and a time-to-first-token histogram, and the mean narrative mass and KL from the processors' traces.
+Per stored profile and arm (``live``, ``pinned``, ``split:a``, ``split:b``, ``shadow``; see
+:mod:`~narrative_gravity.rollout`): finished requests, generated tokens, latency, and summaries (``_sum`` and
+``_count``, so ``_sum / _count`` is the mean per request) of narrative mass after and before the pull, KL per token
+and the off-topic rate; shadow runs skipped (by reason) and the tokens shadows decoded. At most
+:data:`MAX_ARM_PROFILES` profile names get series of their own, the rest share ``profile="other"``.
+
 Server-wide: rejected requests by reason, batches and the rows they held (engines that batch whole requests),
 engine steps and the rows each step advanced (engines that admit rows at any step), and gauges read at scrape
 time (queue depth, running rows, and an engine's own gauges through :meth:`Metrics.register`).
@@ -22,7 +28,7 @@ from typing import Any
 from ..errors import ConfigurationError
 
 try:  # the `server` extra; without it the module imports and Metrics() says what to install
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
     from prometheus_client.core import GaugeMetricFamily
 except ModuleNotFoundError:  # pragma: no cover - depends on the environment
     _HAVE_CLIENT = False
@@ -36,6 +42,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_ARM_PROFILES = 64
+"""Profile names with per-arm series of their own; later names are counted as ``profile="other"``."""
+ARM_NAMES = frozenset({"live", "pinned", "split:a", "split:b", "shadow"})
 
 
 class _ScrapeGauges:
@@ -121,6 +130,54 @@ class Metrics:
         self.step_rows = Histogram(
             "ngrav_step_rows", "Rows that got a token in one engine step.", buckets=BATCH_BUCKETS, registry=r
         )
+        arm = ["profile", "arm"]
+        self.arm_requests = Counter(
+            "ngrav_arm_requests", "Finished requests (and shadow runs) by stored profile and arm.", arm, registry=r
+        )
+        self.arm_tokens = Counter(
+            "ngrav_arm_generated_tokens", "Generated tokens of finished requests by profile and arm.", arm, registry=r
+        )
+        self.arm_latency = Histogram(
+            "ngrav_arm_latency_seconds",
+            "Time from request to last token (shadows: from their start) by profile and arm.",
+            arm,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.arm_mass = Summary(
+            "ngrav_arm_narrative_mass",
+            "Narrative mass after the pull per request, by profile and arm.",
+            arm,
+            registry=r,
+        )
+        self.arm_mass_before = Summary(
+            "ngrav_arm_narrative_mass_before",
+            "Narrative mass before the pull per request, by profile and arm.",
+            arm,
+            registry=r,
+        )
+        self.arm_kl = Summary(
+            "ngrav_arm_kl", "Mean KL(p'||p) per token per request, by profile and arm.", arm, registry=r
+        )
+        self.arm_off_topic = Summary(
+            "ngrav_arm_off_topic_rate",
+            "Share of a request's generated tokens whose field value is <= 0, by profile and arm.",
+            arm,
+            registry=r,
+        )
+        self.shadow_skipped = Counter(
+            "ngrav_shadow_skipped",
+            "Shadow runs not recorded, by profile and reason (load, budget, preempted, error).",
+            ["profile", "reason"],
+            registry=r,
+        )
+        self.shadow_tokens = Counter(
+            "ngrav_shadow_decoded_tokens",
+            "Tokens decoded by shadow runs, finished or preempted: the shadows' whole decode work.",
+            ["profile"],
+            registry=r,
+        )
+        self._arm_profiles: set[str] = set()
         self._sums: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # mass, kl, rows
         self._scrape = _ScrapeGauges()
         r.register(self._scrape)
@@ -154,6 +211,46 @@ class Metrics:
             self.mass_mean.labels(profile).set(sums[0] / sums[2])
             self.kl_mean.labels(profile).set(sums[1] / sums[2])
         self.gravity_rows.labels(profile).inc()
+
+    def _arm_labels(self, profile: str, arm: str) -> tuple[str, str]:
+        with self._lock:
+            if profile not in self._arm_profiles and len(self._arm_profiles) < MAX_ARM_PROFILES:
+                self._arm_profiles.add(profile)
+        return (profile if profile in self._arm_profiles else "other", arm if arm in ARM_NAMES else "other")
+
+    def arm_done(
+        self,
+        profile: str,
+        arm: str,
+        *,
+        tokens: int,
+        seconds: float,
+        mass: float | None = None,
+        mass_before: float | None = None,
+        kl: float | None = None,
+        off_topic: float | None = None,
+    ) -> None:
+        """One finished request (or shadow run) of a stored profile's arm."""
+        labels = self._arm_labels(profile, arm)
+        self.arm_requests.labels(*labels).inc()
+        self.arm_tokens.labels(*labels).inc(tokens)
+        self.arm_latency.labels(*labels).observe(seconds)
+        for summary, value in (
+            (self.arm_mass, mass),
+            (self.arm_mass_before, mass_before),
+            (self.arm_kl, kl),
+            (self.arm_off_topic, off_topic),
+        ):
+            if value is not None:
+                summary.labels(*labels).observe(value)
+
+    def shadow_skip(self, profile: str, reason: str) -> None:
+        """A shadow run that was not run or not recorded (``load``, ``budget``, ``preempted``, ``error``)."""
+        self.shadow_skipped.labels(self._arm_labels(profile, "shadow")[0], reason).inc()
+
+    def shadow_decoded(self, profile: str, tokens: int) -> None:
+        """Tokens a shadow run decoded (finished or not)."""
+        self.shadow_tokens.labels(self._arm_labels(profile, "shadow")[0]).inc(tokens)
 
     def error(self, status: int, code: str | None) -> None:
         self.errors.labels(str(status), code or "").inc()

@@ -203,6 +203,7 @@ class ChatRequest(_Request):
     response_format: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
+    documents: Any = None  # an extension: retrieved passages for the pipeline (narrative_gravity.pipeline)
 
 
 class CompletionRequest(_Request):
@@ -211,6 +212,7 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: Any = None  # an extension (as in vLLM): the same JSON constraint as on chat
 
 
 def parse_request(cls: type[_Request], data: Any) -> Any:
@@ -327,15 +329,14 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    """The messages as ``{"role", "content"}`` text for a chat template; tools and images are refused."""
+    """The messages as ``{"role", "content"}`` text for a chat template; tools and images are refused.
+
+    (``response_format`` is read by :func:`~narrative_gravity.server.structured.parse_response_format`.)"""
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", []):
             raise APIError(400, f"`{name}` is not supported by this server", param=name)
     if req.logprobs or req.top_logprobs:
         raise APIError(400, "`logprobs` is not supported by this server", param="logprobs")
-    fmt = req.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "`response_format` other than {'type': 'text'} is not supported", param="response_format")
     out = []
     for i, msg in enumerate(req.messages):
         role = _ROLES.get(msg.role)

@@ -16,6 +16,11 @@ Tokens travel back through the backend's per-step callback: the worker thread ca
 ``(index, "stats", TokenStats)`` just before that token. When the batch ends every row gets
 ``(index, "end", RowStats)``.
 
+*Background rows* (``submit(rows, background=True)``: shadow runs, see :mod:`.shadow`) use idle time only: they
+run in batches of their own once no other row has arrived for ``idle_s`` (so a burst of requests is not split by
+them), and a row that arrives while they run cancels them (``preempted``): their batch ends at its next step, and
+the rows that arrived meanwhile get a full batching window from then on.
+
 One row never fails the others: when a batch raises, each of its rows is run again on its own, so only the row
 that fails by itself gets ``(index, "error", exc)``. A row that had already streamed tokens must regenerate the
 same tokens first (its seed makes it reproducible); those are not sent twice, and a row whose replay differs is
@@ -72,6 +77,9 @@ class Row:
     sent: list[int] = field(default_factory=list)
     """Token ids already delivered (the replay check of a rerun compares against them)."""
     trace: bool = False  # the request asked for per-token stats
+    background: bool = False  # a shadow row: idle time only (see the module doc)
+    preempted: bool = False  # a background row cancelled to make room for others
+    response_format: Any = None  # a structured.ResponseFormat: the reply must be JSON matching its schema
 
 
 class Job:
@@ -106,13 +114,17 @@ class BatchScheduler:
         window_s: float = 0.02,
         max_queue: int = 64,
         metrics: Metrics | None = None,
+        idle_s: float | None = None,
     ) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.window_s = window_s
+        self.idle_s = idle_s if idle_s is not None else max(0.1, 4 * window_s)  # before background rows run
+        self._background_ended = 0.0  # when the last background batch ended
         self.max_queue = max_queue
         self.metrics = metrics if metrics is not None else Metrics()
         self._pending: deque[Row] = deque()
+        self._background: deque[Row] = deque()
         self._running: list[Row] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -138,8 +150,8 @@ class BatchScheduler:
         """Refuse new rows, fail the queued ones with ``503``, cancel the running batch and wait for it."""
         self._closed = True
         gone = _shutting_down()
-        while self._pending:
-            row = self._pending.popleft()
+        while self._pending or self._background:
+            row = (self._pending or self._background).popleft()
             row.job.deliver(row.index, "error", gone)
         for row in self._running:  # their batch stops at its next step; their readers must not wait for it
             row.cancelled = True
@@ -151,10 +163,22 @@ class BatchScheduler:
         if self._executor is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
-    def submit(self, rows: Sequence[Row]) -> None:
-        """Queue a request's rows, all or none; ``429`` when they do not fit."""
+    def submit(self, rows: Sequence[Row], *, background: bool = False) -> None:
+        """Queue a request's rows, all or none; ``429`` when they do not fit. ``background`` rows wait for idle
+        time and give way to every other row (see the module doc)."""
         if self._closed or self._wake is None:
             raise _not_accepting()
+        if background:
+            if len(self._background) + len(rows) > self.max_queue:
+                raise APIError(429, "too many background rows are queued", code="queue_full")
+            for row in rows:
+                row.background = True
+            self._background.extend(rows)
+            self._wake.set()
+            return
+        for row in self._running:  # background rows make room at the next step
+            if row.background and not row.cancelled:
+                row.cancelled = row.preempted = True
         if len(self._pending) + len(rows) > self.max_queue:
             raise APIError(
                 429,
@@ -171,10 +195,15 @@ class BatchScheduler:
         while True:
             rows = await self._next_batch()
             await self._run_batch(rows)
+            if rows[0].background:
+                self._background_ended = time.monotonic()
 
     def _drop_cancelled(self) -> None:
         if any(r.cancelled for r in self._pending):
             self._pending = deque(r for r in self._pending if not r.cancelled)
+        for row in [r for r in self._background if r.cancelled]:  # they still owe their job an end
+            self._background.remove(row)
+            row.job.deliver(row.index, "end", RowStats(new_tokens=0))
 
     async def _wait(self, timeout: float | None) -> bool:
         assert self._wake is not None  # set by start()
@@ -190,9 +219,15 @@ class BatchScheduler:
         while True:
             self._drop_cancelled()
             if not self._pending:
+                if self._background:  # run background rows, alone, once the engine has been idle a while
+                    if await self._wait(self.idle_s):
+                        continue
+                    n = min(self.max_batch_size, len(self._background))
+                    return [self._background.popleft() for _ in range(n)]
                 await self._wait(None)
                 continue
-            deadline = self._pending[0].arrived + self.window_s
+            # rows that arrived while a (preempted) background batch ran get their whole window from its end
+            deadline = max(self._pending[0].arrived, self._background_ended) + self.window_s
             while len(self._pending) < self.max_batch_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not await self._wait(remaining):
@@ -358,8 +393,13 @@ class ContinuousScheduler:
         self._live.clear()
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close)
 
-    def submit(self, rows: Sequence[Row]) -> None:
-        """Hand a request's rows to the engine, all or none; ``429`` when they would pass ``max_rows``."""
+    def submit(self, rows: Sequence[Row], *, background: bool = False) -> None:
+        """Hand a request's rows to the engine, all or none; ``429`` when they would pass ``max_rows``.
+
+        ``background`` rows join the running batch like any other (a row costs the batch little per step); the
+        caller decides whether there is room for them."""
+        for row in rows:
+            row.background = background
         if self._closed or self._loop is None:
             raise _not_accepting()
         if len(self._live) + len(rows) > self.max_rows:

@@ -16,12 +16,23 @@ with them, and the row reports their means (narrative mass, KL) when it ends. Th
 statistics (``disable_log_stats=False``); :meth:`VLLMBackend.collectors` puts its ``vllm:*`` metrics (waiting
 and running requests, KV-cache usage, token counts, latencies) on the server's ``/metrics``.
 
+A row with a ``response_format`` runs through vLLM's own structured outputs
+(``SamplingParams(structured_outputs=...)``) on its ``guidance`` backend: llguidance, the library the
+transformers engine uses, so both engines compile a schema to the same grammar and refuse the same schemas (it
+runs on the CPU, where vLLM applies the bitmask with xgrammar's CPU kernel). vLLM applies the grammar's bitmask
+to the logits before the sampler runs the logits processors, so gravity pulls among the tokens the grammar allows
+(``-inf + λ·a`` stays ``-inf``) and its thermostat measures the constrained distribution.
+:meth:`VLLMBackend.prepare_format` runs vLLM's own check of the schema before the request is queued. Replies are
+one-line JSON without ``\\u`` escapes, as on the transformers engine
+(:data:`~narrative_gravity.server.structured.GRAMMAR_OPTIONS`).
+
 vLLM lives in its own environment (``bash scripts/setup_vllm.sh``); this module imports it only in
 :meth:`VLLMBackend.load` and the engine thread.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -36,6 +47,7 @@ from ..errors import ConfigurationError
 from ..models import DEFAULT_MODEL, hf_folder
 from ..profile import Profile
 from .backend import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
+from .structured import ResponseFormat
 
 __all__ = ["VLLMBackend"]
 
@@ -170,6 +182,8 @@ class VLLMBackend(TokenizerText):
             seed=0,
             disable_log_stats=False,  # vLLM's engine metrics for /metrics
             served_model_name=model_id,  # their `model_name` label
+            # `response_format`: llguidance (as on the transformers engine), JSON on one line
+            structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},
             **scheduling,
         )
         return cls(llm, model_id=model_id, prefill_tokens=prefill_tokens)
@@ -181,6 +195,19 @@ class VLLMBackend(TokenizerText):
         from ..engines.vllm import profile_from_extra_args
 
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
+
+    def prepare_format(self, fmt: ResponseFormat) -> None:
+        """Check ``fmt`` as vLLM will when the row is added (its backend compiles the schema), so that a schema
+        vLLM refuses fails its request here instead of in the engine thread."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        params = SamplingParams(max_tokens=1, structured_outputs=_structured_outputs(fmt))
+        ip = self.engine.input_processor
+        try:
+            params.verify(ip.model_config, ip.speculative_config, ip.structured_outputs_config, ip.tokenizer)
+        except (VLLMValidationError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
 
     # ------------------------------------------------------------------------------------------- admission
 
@@ -257,8 +284,10 @@ class VLLMBackend(TokenizerText):
             extra = {"gravity": row.gravity.profile.model_dump(exclude_none=True)}
             if rid is not None and getattr(row, "trace", False):
                 extra[TRACE_KEY] = rid
+        fmt = getattr(row, "response_format", None)
         return SamplingParams(
             max_tokens=row.max_tokens,
+            structured_outputs=None if fmt is None else _structured_outputs(fmt),
             temperature=0.0 if s.greedy else s.temperature,
             top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0,
@@ -400,6 +429,14 @@ class VLLMBackend(TokenizerText):
                 on_events(batch)
             except Exception:  # a listener's bug must not stop the engine for everyone
                 log.exception("a token callback failed")
+
+
+def _structured_outputs(fmt: ResponseFormat) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for a response format (``json_object`` is the schema ``{"type": "object"}``)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    # the schema carries GRAMMAR_OPTIONS (x-guidance), which vLLM's guidance backend reads as the other engine does
+    return StructuredOutputsParams(json=copy.deepcopy(fmt.grammar_schema()), disable_any_whitespace=True)
 
 
 def _on_cpu() -> bool:

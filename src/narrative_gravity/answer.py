@@ -1,0 +1,94 @@
+"""The pipeline as a library call: :func:`answer` runs every level of :mod:`narrative_gravity.pipeline` and
+decodes on the transformers engine (``model``, ``tokenizer``) or on vLLM (a
+:class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`), the same way ``ngrav serve`` does per request.
+
+Example (SmolLM2, offline)::
+
+    from narrative_gravity.answer import answer
+    from narrative_gravity.models import load_model
+    from narrative_gravity.profile import Profile
+
+    model, tok = load_model()
+    profile = Profile.from_mapping({"core_semantics": ["telescope"], "context": {}, "conversation": {}})
+    res = answer([{"role": "user", "content": "How did telescopes change astronomy?"}],
+                 documents=["Galileo turned a telescope to Jupiter in 1610 ...", "A recipe for bread ..."],
+                 profile=profile, model=model, tokenizer=tok)
+    res.text, res.report["context"]["dropped"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigurationError
+from .generation import SamplingOptions, chat_ids, sample_ids
+from .pipeline import Prepared, parse_documents, prepare, split_documents, stage_report
+from .profile import Profile
+
+__all__ = ["DRAFT_OPTIONS", "Answer", "answer"]
+
+DRAFT_OPTIONS = SamplingOptions(max_new_tokens=28, top_k=40, temperature=0.8)
+"""How outline drafts are sampled (the plan level); ``max_new_tokens`` comes from the profile's ``plan``."""
+
+
+@dataclass
+class Answer:
+    """The answer, what the model read, and what each level did (``report``, JSON-ready)."""
+
+    text: str
+    token_ids: list[int]
+    prepared: Prepared
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def answer(
+    messages: Sequence[Mapping[str, str]],
+    *,
+    documents: Any = None,
+    profile: Profile | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    vllm: Any = None,
+    options: SamplingOptions = SamplingOptions(max_new_tokens=64, temperature=0.0),
+    encoder: Any = None,
+) -> Answer:
+    """Answer the conversation's last user message with every level the profile switches on.
+
+    Args:
+        messages: ``{"role", "content"}`` turns; ``<document id="...">`` blocks in them are passages too.
+        documents: retrieved passages: strings or ``{"id", "text"}`` objects.
+        profile: the narrative profile (``None``: plain decoding, passages kept whole).
+        model, tokenizer: the transformers engine; or ``vllm``: a ``VLLMGenerator`` (its tokenizer is used).
+        options: how the answer is sampled (default greedy, 64 tokens).
+        encoder: MiniLM by default, for pruning and outline scores.
+    """
+    if vllm is None and (model is None or tokenizer is None):
+        raise ConfigurationError("answer() needs model= and tokenizer= (transformers) or vllm= (a VLLMGenerator)")
+    tok = vllm.tokenizer if vllm is not None else tokenizer
+    msgs, inline = split_documents(messages)
+    passages = [*parse_documents(documents), *inline]
+
+    def write(prompt_ids: list[list[int]], opts: SamplingOptions, prof: Profile | None) -> list[list[int]]:
+        if vllm is not None:
+            return [list(o.token_ids) for o in vllm.generate(prompt_ids, opts, prof)]
+        from .steer import processor_from_profile
+
+        procs = (
+            [] if prof is None else [processor_from_profile(prof, tok, max_new_tokens=opts.max_new_tokens, model=model)]
+        )
+        return sample_ids(model, tok, prompt_ids, opts, procs)
+
+    def draft(prompts: list[str], max_tokens: int) -> list[str]:
+        ids = [chat_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
+        opts = SamplingOptions(max_tokens, DRAFT_OPTIONS.top_k, DRAFT_OPTIONS.temperature, options.seed)
+        return [tok.decode(row, skip_special_tokens=True) for row in write(ids, opts, None)]
+
+    prepared = prepare(msgs, passages, profile, tokenizer=tok, encoder=encoder, draft=draft)
+    ids = write([chat_ids(tok, prepared.messages)], options, prepared.profile)[0]
+    text = tok.decode(ids, skip_special_tokens=True)
+    report = dict(prepared.report)
+    if prepared.stages:
+        report["stages"] = stage_report(prepared.stages, text)
+    return Answer(text, ids, prepared, report)
