@@ -40,3 +40,47 @@ def write_json(path: str | os.PathLike[str] | None, result: dict[str, Any]) -> N
     if path:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2, ensure_ascii=False)
+
+
+def spawn_server(extra: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 300.0) -> tuple[Any, str]:
+    """Start ``ngrav serve`` (``extra`` are its options) on a free loopback port in a process of its own and wait
+    until ``/health`` answers: ``(process, url)``. Exits with a message when it dies or is not ready in time."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "narrative_gravity.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen([*cmd, *extra], env=env if env is not None else dict(os.environ))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    stop_server(proc)
+    raise SystemExit(f"the server was not ready after {timeout_s:g} s")
+
+
+def stop_server(proc: Any, timeout_s: float = 30.0) -> None:
+    """Stop a spawned server: SIGINT, then SIGKILL if it has not ended within ``timeout_s``."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -36,8 +36,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +45,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from common import spawn_server, stop_server
 
 PROMPTS = (
     "Tell me about your weekend plans.",
@@ -303,46 +303,16 @@ async def run(args: argparse.Namespace) -> Report:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_server(args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    port = free_port()
-    args.url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "narrative_gravity.cli", "serve", "--port", str(port), "--log-level", "warning"]
+def spawn(args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    extra = []
     if args.server_model:
-        cmd += ["--model", args.server_model]
+        extra += ["--model", args.server_model]
         args.model = args.server_model  # the server's model id is its --model
-    cmd += args.server_arg
     env = dict(os.environ)
     if args.api_key:
         env["NGRAV_API_KEY"] = args.api_key
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{args.url}/health", timeout=1, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    stop_server(proc)
-    raise SystemExit(f"the server was not ready after {args.startup_timeout} s")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc, args.url = spawn_server([*extra, *args.server_arg], env=env, timeout_s=args.startup_timeout)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0 or not 0 <= args.ramp < args.duration:
         p.error("--clients must be >= 1, --duration > 0 and --ramp in [0, --duration)")
-    proc = spawn_server(args) if args.spawn else None
+    proc = spawn(args) if args.spawn else None
     try:
         report = asyncio.run(run(args))
     finally:

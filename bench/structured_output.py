@@ -33,8 +33,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from common import machine, write_json
+from common import machine, spawn_server, stop_server, write_json
 from narrative_gravity.eval.metrics import word_spans
 from narrative_gravity.eval.prompts import EvalPrompt, load_topics
 from narrative_gravity.eval.stats import paired_bootstrap
@@ -295,40 +293,10 @@ def step_cost(batch: int = 8, steps: int = 48, repeats: int = 3) -> dict[str, An
 # ------------------------------------------------------------------------------------------- server process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_server(args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    port = free_port()
-    args.url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "narrative_gravity.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    cmd += ["--engine", args.engine, "--max-batch-size", str(args.max_batch_size), *args.server_arg]
-    proc = subprocess.Popen(cmd, env=dict(os.environ))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{args.url}/health", timeout=1, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit("the server was not ready after 300 s")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def spawn(args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    extra = ["--engine", args.engine, "--max-batch-size", str(args.max_batch_size), *args.server_arg]
+    proc, args.url = spawn_server(extra)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]  # spread over the topics
     command = " ".join([Path(sys.executable).name, *sys.argv])
-    proc = None if args.url else spawn_server(args)
+    proc = None if args.url else spawn(args)
     try:
         replies, seconds = asyncio.run(run(args, prompts))
     finally:

@@ -894,6 +894,40 @@ def test_vllm_server_streams_each_tokens_stats_when_asked(served: Any) -> None:
     assert _value(families, "ngrav_gravity_rows", "ngrav_gravity_rows_total") >= 1
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_vllm_server_runs_the_pipeline_of_a_chat_request(served: Any) -> None:
+    """One request, every level, on the vLLM engine: passages pruned, earlier turns remembered, plan drafts
+    written by the engine itself, then gravity; the response says what each level did."""
+    running, _ = served
+    passages = [
+        {"id": "orbit", "text": "The planet moves along its orbit around the sun; its orbit is an ellipse."},
+        {"id": "bread", "text": "Knead the dough, let the bread rise, and bake the loaf in a hot oven."},
+        {"id": "moon", "text": "A small moon circles the planet and crosses its inner orbit every night."},
+    ]
+    turns = [
+        {"role": "user", "content": "Tell me about comets."},
+        {"role": "assistant", "content": "A comet has a bright tail."},
+        {"role": "user", "content": "How does the planet move along its orbit?"},
+    ]
+    gravity = {
+        "core_semantics": ["planet", "orbit"],
+        "context": {"budget_share": 0.6},
+        "conversation": {},
+        "plan": {"drafts": 2, "outline_tokens": 16},
+    }
+    body = {"model": "smollm2", "messages": turns, "documents": passages, "gravity": gravity, "max_tokens": 16,
+            "temperature": 0}  # fmt: skip
+    with running.http() as http:
+        resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    report = resp.json()["pipeline"]
+    assert report["context"]["pruned"] and "bread" in {d["id"] for d in report["context"]["dropped"]}
+    assert "comets" in report["memory"]["words"] or "comet" in report["memory"]["words"]
+    assert report["plan"]["drafts"] == 2 and report["plan"]["stages"]
+    assert len(report["stages"]) == 1 and resp.json()["choices"][0]["message"]["content"]
+
+
 CARD = {
     "type": "object",
     "properties": {"title": {"type": "string", "maxLength": 32}, "description": {"type": "string", "maxLength": 64}},
