@@ -68,6 +68,7 @@ CONFIG = ServerConfig(
     max_words_per_list=8,
     max_words=12,
     max_semantic_top_k=300,
+    max_neighbours=50,
     read_timeout_s=1.0,
 )
 
@@ -155,6 +156,24 @@ def test_limits_on_what_a_request_may_build(server: RunningServer) -> None:
             {"core_semantics": ["planet"], "field": {"mode": "semantic", "semantic_top_k": 5000}},
             "--max-semantic-top-k",
             "semantic_top_k",
+        ),
+        (
+            {
+                "core_semantics": ["planet"],
+                "field": {"neighbours": 51, "semantic_top_k": 300},
+                "thermostat": {"candidates": 300},
+            },
+            "--max-neighbours",
+            "field.neighbours",
+        ),
+        (
+            {
+                "core_semantics": ["planet"],
+                "field": {"neighbours": 5, "neighbours_vocabulary": 1000, "semantic_top_k": 300},
+                "thermostat": {"candidates": 300},
+            },
+            "draws neighbour words from the default 40000 only",
+            "field.neighbours_vocabulary",
         ),
     ]
     with server.http() as http:

@@ -124,6 +124,69 @@ def test_grid_solver_finds_the_point_bisection_finds(
     assert torch.equal(kept, got)
 
 
+def dense_kl(logits: torch.Tensor, field: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """KL(pulled ‖ plain) per row, the slow, obvious way (float64)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    logq = torch.log_softmax(logits.double() + lam.double().reshape(-1, 1) * field.double(), dim=-1)
+    return (logq.exp() * (logq - logp)).sum(-1)
+
+
+@settings(max_examples=120, deadline=None)
+@given(problems(max_b=4, max_v=30), st.floats(0.0, 0.95), st.floats(0.01, 2.0), st.sampled_from([1, 3, 7]))
+def test_kl_budget_stops_the_pull_at_the_first_lambda_that_costs_it(
+    prob: tuple[torch.Tensor, torch.Tensor], t: float, budget: float, bits: int
+) -> None:
+    """With a KL budget, λ is the smallest grid point whose mass reaches the target or whose KL reaches the
+    budget (exact KL over the whole vocabulary), and never more than without the budget."""
+    logits, field = prob
+    b = logits.shape[0]
+    p, entropy = probabilities(logits)
+    problem = MassProblem(p, entropy, field, True, 64)
+    target, lam_max = torch.full((b,), t), torch.full((b,), LAM_MAX)
+    free = problem.solve(target, lam_max, ITERS, bits=bits)
+    got = problem.solve(target, lam_max, ITERS, bits=bits, kl_budget=torch.full((b,), budget))
+    assert (got <= free + 1e-6).all()
+    for r in range(b):
+        if got[r] == 0.0 or got[r] == LAM_MAX:
+            continue
+        lam = got[r : r + 1]
+        reached = dense_mass(logits[r : r + 1], field, lam)[0] >= t - 1e-4
+        spent = dense_kl(logits[r : r + 1], field, lam)[0] >= budget - 1e-4
+        assert reached or spent, (lam, t, budget)
+        before = (lam - 1.01 * WIDTH).clamp_min(0)
+        if float(before) > 0:  # one grid step below, neither has happened (up to float32 sums)
+            assert dense_mass(logits[r : r + 1], field, before)[0] < t + 1e-4
+            assert dense_kl(logits[r : r + 1], field, before)[0] < budget + 1e-4
+
+
+def test_kl_budget_through_the_profile_and_both_solvers(tiny_model: tuple[Any, Any]) -> None:
+    """A profile's ``thermostat.kl_budget`` reaches the controller, the kernel's schedule row and the solver: a
+    tight budget lowers the mean pull and the KL each step costs, on a real model's logits."""
+    model, tokenizer = tiny_model
+    words = ["the", "and", "of"]
+
+    def run(budget: float | None) -> tuple[float, float]:
+        spec: dict[str, Any] = {"core_semantics": words, "field": {"mode": "lexical"}, "schedule": "thermostat"}
+        spec["thermostat"] = {"max_strength": 8.0, "strict_target": 0.9, "converge_target": 0.9}
+        if budget is not None:
+            spec["thermostat"]["kl_budget"] = budget
+        trace = Trace()
+        proc = processor_from_profile(Profile.from_mapping(spec), tokenizer, max_new_tokens=12, trace=trace)
+        enc = tokenizer(["The crew", "A small moon moves"], return_tensors="pt", padding=True)
+        torch.manual_seed(0)
+        _greedy(model, tokenizer, enc, proc, 12)
+        t = trace.to_numpy()
+        return float(t["strength"].mean()), float(t["kl"].max())
+
+    free_lam, free_kl = run(None)
+    tight_lam, tight_kl = run(0.02)
+    assert tight_lam < free_lam and tight_kl < free_kl
+    assert tight_kl <= 0.02 * 1.5  # the budget holds (the solver's grid point is the first one over it)
+    assert controller_from_profile(
+        Profile.from_mapping({"core_semantics": words, "thermostat": {"kl_budget": 0.1}})
+    ).row()["kl_budget"] == pytest.approx(0.1)
+
+
 def test_feasible_exact_value() -> None:
     # two tokens of 100 pulled with a = 1, flat logits: mass(λ) = 2e^λ / (2e^λ + 98) = 0.5 at λ = ln 49
     logits = torch.zeros(1, 100)

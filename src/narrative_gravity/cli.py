@@ -579,6 +579,9 @@ def serve(
     max_semantic_top_k: Annotated[
         int, typer.Option("--max-semantic-top-k", min=1, help="largest field.semantic_top_k / thermostat.candidates")
     ] = 5000,
+    max_neighbours: Annotated[
+        int, typer.Option("--max-neighbours", min=1, help="largest field.neighbours of a profile")
+    ] = 500,
     max_semantic_cache_entries: Annotated[
         int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
     ] = 256,
@@ -636,6 +639,7 @@ def serve(
             max_words_per_list=max_words_per_list,
             max_words=max_words,
             max_semantic_top_k=max_semantic_top_k,
+            max_neighbours=max_neighbours,
             max_semantic_cache_entries=max_semantic_cache_entries,
             read_timeout_s=read_timeout,
             write_timeout_s=write_timeout,

@@ -171,6 +171,13 @@ class Thermostat(_Strict):
     )
     iterations: int = Field(14, ge=1, le=64, description="bits of the solver's λ grid (as many bisection steps)")
     candidates: int = Field(1024, ge=1, le=262144, description="field columns (largest |a|) used by the solver")
+    kl_budget: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="the most KL (nats) the pull may cost one step: λ stops there even below the target mass; "
+        "None = no limit (λ_max alone caps it)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Thermostat:
@@ -223,6 +230,22 @@ class FieldOptions(_Strict):
     semantic_z_threshold: float = Field(2.0, ge=0.0, le=50.0, description="keep tokens this many std above the mean")
     semantic_min_value: float = Field(0.2, gt=0.0, le=1.0, description="field value of the weakest kept token")
     semantic_weight: float = Field(0.5, ge=0.0, le=1.0, description="scale of the semantic part in hybrid mode")
+    neighbours: int = Field(
+        0,
+        ge=0,
+        le=2000,
+        description="semantic and hybrid modes: also pull this many whole English words nearest the topic "
+        "through the lexical field, continuation pieces included (reaches words the tokenizer splits); 0 = off",
+    )
+    neighbours_weight: float = Field(
+        0.5, gt=0.0, le=1.0, description="field value of the nearest neighbour word (the others fall to a fifth of it)"
+    )
+    neighbours_vocabulary: int = Field(
+        40000,
+        ge=1000,
+        le=200000,
+        description="the neighbour words are drawn from this many most frequent English words",
+    )
 
 
 class Require(_Strict):

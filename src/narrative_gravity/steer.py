@@ -114,11 +114,38 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
         name=name,
     )
     if lexical is None:
-        return semantic
-    if opts.mode == "hybrid":
-        return combine_fields(lexical, semantic, weight=opts.semantic_weight)
-    # semantic mode: the semantic pull plus only the penalties of the lexical field
-    return combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
+        built = semantic
+    elif opts.mode == "hybrid":
+        built = combine_fields(lexical, semantic, weight=opts.semantic_weight)
+    else:  # semantic mode: the semantic pull plus only the penalties of the lexical field
+        built = combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
+    if opts.neighbours:
+        built = _with_neighbours(profile, tokenizer, built)
+    return built
+
+
+def _with_neighbours(profile: Profile, tokenizer: Any, built: NarrativeField) -> NarrativeField:
+    """``built`` with the ``field.neighbours`` whole words nearest the topic pulled lexically (max of the two)."""
+    from .fields.neighbours import neighbour_words
+
+    opts = profile.field
+    topic = opts.semantic_topic if opts.semantic_topic is not None else profile.keywords()
+    words = neighbour_words(
+        topic,
+        count=opts.neighbours,
+        vocabulary=opts.neighbours_vocabulary,
+        exclude=profile.penalized(),
+        progress=False,
+    )
+    near = weighted_lexical_field(
+        tokenizer,
+        {w: x * opts.neighbours_weight for w, x in words.items()},
+        name="neighbours",
+        glued_weight=opts.glued_weight,
+        first_piece_weight=opts.first_piece_weight,
+        max_pieces=opts.max_pieces,
+    )
+    return built if near is None else merge_fields([built, near], name=built.name)
 
 
 _REQUIRE_CACHE: OrderedDict[tuple[str, int, int], tuple[Any, Requirement]] = OrderedDict()

@@ -507,6 +507,17 @@ def _minilm_encoder() -> Encoder:
     return encode
 
 
+def encode_with_progress(encode: Any, texts: list[str], what: str, progress: bool) -> torch.Tensor:
+    """``encode(texts)`` (a MiniLM encoder), under a rich progress bar "MiniLM: embedding {what}" if ``progress``."""
+    if not progress:
+        return encode(texts)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"MiniLM: embedding {what}", total=None)
+        return encode(texts, lambda done, total: bar.update(task, completed=done, total=total))
+
+
 def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: bool) -> torch.Tensor:
     """MiniLM embeddings of every usable token's text ``[V, 384]`` (zeros elsewhere), cached on disk."""
     v = vocab.valid.shape[0]
@@ -518,15 +529,7 @@ def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: b
         return emb.float()
     ids = torch.nonzero(vocab.valid).flatten().tolist()
     texts = [vocab.texts[i] for i in ids]
-    encode = _minilm_encoder()
-    if progress:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task(f"MiniLM: embedding {len(texts)} tokens (once per tokenizer)", total=None)
-            vecs = encode(texts, lambda done, total: bar.update(task, completed=done, total=total))
-    else:
-        vecs = encode(texts)
+    vecs = encode_with_progress(_minilm_encoder(), texts, f"{len(texts)} tokens (once per tokenizer)", progress)
     emb = torch.zeros(v, vecs.shape[1], dtype=torch.float16)
     emb[torch.tensor(ids, dtype=torch.long)] = vecs.to(torch.float16)
     _save(path, {"key": key, "emb": emb})

@@ -558,7 +558,10 @@ class GravityKernel:
                 prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
                 on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
                 target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
-                solved = prob.solve(target, rs.base32, plan.iterations, plan.row_iterations, workspace=self._work)
+                budget = rs.kl_budget if rs.any_kl_budget else None
+                solved = prob.solve(
+                    target, rs.base32, plan.iterations, plan.row_iterations, workspace=self._work, kl_budget=budget
+                )
                 finite = prob.alive
                 lam = solved if lam is None else torch.where(rs.thermostat, solved, lam)
         mask = None

@@ -86,6 +86,7 @@ COLUMNS = (
     "entropy_high",
     "iterations",
     "candidates",
+    "kl_budget",  # the thermostat's most KL (nats) per step; 0: no limit
 )
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -153,6 +154,9 @@ class RowSchedule:
         self.candidates = c["candidates"][thermo].astype(np.int64)
         self.row_iterations = put(c["iterations"], torch.int64)
         self.row_candidates = put(c["candidates"], torch.int64)
+        budgeted = c["kl_budget"] > 0
+        self.any_kl_budget = bool((budgeted & thermo).any())
+        self.kl_budget = put(np.where(budgeted, c["kl_budget"], np.inf).astype(np.float32), torch.float32)
 
     def gate(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shift, scale)`` of the entropy gate for ``vocab``: ``gate = clip(shift + H·scale, 0, 1)``, which is
@@ -334,6 +338,7 @@ class MassProblem:
         *,
         bits: int | None = None,
         workspace: Workspace | None = None,
+        kl_budget: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The smallest λ on the grid ``λ_max · j / 2^iterations`` (``j = 1 … 2^iterations``) per row whose mass
         reaches ``target``: what ``iterations`` steps of bisection on ``[0, λ_max]`` return.
@@ -347,13 +352,24 @@ class MassProblem:
         ``bits``: grid points per level are ``2^bits`` (default: by the problem's size); the answer does not
         depend on it. ``workspace``: keeps the ``[R, 2^bits, K]`` grid buffer from one step to the next (a fresh
         one of a megabyte each level can cost page faults).
+
+        ``kl_budget`` (``[R]``, ``inf`` for no limit): the search also stops at the first grid λ whose pull costs
+        at least this much, ``KL(p_λ ‖ p) = λ·E_{p_λ}[a] − log Z(λ)`` with ``Z(λ) = Σ p·e^{λa}``. KL grows
+        with λ (its derivative is ``λ·Var_{p_λ}(a)``), so the bracket search is the same, on two sums more
+        of the same products.
         """
         r, k = self.a.shape
         weights = torch.addcmul(self.num, target[:, None], self.den, value=-1.0)  # [R, K]
         # m(λ) ≥ t is Σ_K weights·e^{λa} ≥ −(the same sum outside the candidates, where a = 0), and that
         # is t·(1 − Σ_K den) − (m(0) − Σ_K num) = t − m(0) + Σ_K weights
         floor = (target - self.mass0 + weights.sum(-1)) if self.outside else torch.zeros_like(target)
-        floor, weights = floor[:, None, None], weights[:, :, None]
+        floor = floor[:, None]
+        if kl_budget is None:
+            weights = weights[:, :, None]
+        else:  # Z(λ) and Σ p·a·e^{λa} on the candidates, in the same product
+            weights = torch.stack([weights, self.den, self.den * self.a], dim=-1)  # [R, K, 3]
+            z_outside = self._outside()[1][:, None]
+            budget = kl_budget.to(device=self.a.device, dtype=torch.float32)[:, None]
         a = self.a[:, None, :]
         if bits is None:  # few λ per level while a level's work is small next to a tensor operation's overhead
             bits = 7 if r * k <= 2048 else 3 if r * k <= 65536 else 2
@@ -371,10 +387,15 @@ class MassProblem:
                 grid = torch.exp(lam_a * a)
             else:  # the same numbers, in a kept buffer
                 grid = torch.mul(lam_a, a, out=workspace.shaped("solver", (r, 2**n, k), a.device)).exp_()
-            s = torch.bmm(grid, weights)  # [R, g, 1]
+            s = torch.bmm(grid, weights)  # [R, g, 1 or 3]
+            short = s[..., 0] < floor  # [R, g]
+            if kl_budget is not None:
+                z = (s[..., 1] + z_outside).clamp_min(1e-30)
+                kl = lam.float() * s[..., 2] / z - torch.log(z)
+                short = short & (kl < budget)
             # the bracket's top point reaches the target (it did on the level before); where even λ_max
             # falls short, every level stops below the top and λ ends at λ_max
-            below = torch.sum(s < floor, dim=(1, 2), dtype=dtype).clamp_max(2**n - 1)
+            below = torch.sum(short, dim=1, dtype=dtype).clamp_max(2**n - 1)
             lo = torch.addcmul(lo, unit, below)
         unit = lam_max * 0.5**iterations
         lam = lo + unit
@@ -714,6 +735,7 @@ class ThermostatController(ScheduleController):
         decay_half_life: float = 25.0,
         iterations: int = 14,
         candidates: int = 1024,
+        kl_budget: float | None = None,
         drift_values: torch.Tensor | None = None,
     ) -> None:
         super().__init__(max_strength)
@@ -762,6 +784,14 @@ class ThermostatController(ScheduleController):
             raise ConfigurationError(f"`drift_share` has to be in (0, 1], but is {drift_share!r}")
         self.drift_share = drift_share
         self.drift_values = drift_values
+        ok = kl_budget is None or (
+            isinstance(kl_budget, (int, float)) and not isinstance(kl_budget, bool) and 0 < kl_budget <= 10
+        )
+        if not ok:
+            raise ConfigurationError(
+                f"`kl_budget` has to be None (no limit) or a number in (0, 10] (nats per step), but is {kl_budget!r}"
+            )
+        self.kl_budget = kl_budget
 
     def __repr__(self) -> str:
         rows = self._rows[0] if len(self._rows) == 1 else list(self._rows)
@@ -787,6 +817,7 @@ class ThermostatController(ScheduleController):
             "entropy_high": self.entropy_high,
             "iterations": self.iterations,
             "candidates": self.candidates,
+            "kl_budget": 0.0 if self.kl_budget is None else self.kl_budget,
         }
 
     def phase_target(self, step: int, max_new_tokens: int | None) -> float:
@@ -840,4 +871,7 @@ class ThermostatController(ScheduleController):
         prob = self._problem(ctx)
         target = self._target(ctx, prob)
         lam_max = self.base(ctx.batch_size, ctx.logits.device)
-        return prob.solve(target, lam_max, self.iterations)
+        budget = None
+        if self.kl_budget is not None:
+            budget = torch.full((ctx.batch_size,), float(self.kl_budget), device=lam_max.device)
+        return prob.solve(target, lam_max, self.iterations, kl_budget=budget)

@@ -47,6 +47,9 @@ class ServerConfig:
         max_words_per_list: the most words in one list of a profile (``core_semantics``, ``penalize``, a stage's).
         max_words: the most words of one profile, all lists together.
         max_semantic_top_k: the largest ``field.semantic_top_k`` and ``thermostat.candidates`` a profile may ask for.
+        max_neighbours: the largest ``field.neighbours`` a profile may ask for (each neighbour word builds a
+            lexical field; a profile may not change ``field.neighbours_vocabulary``, whose every value embeds
+            and caches a new word list).
         max_semantic_cache_entries: semantic fields kept in the disk cache (least recently used are removed).
         prefill_tokens: on the vLLM engine, the most new prompt tokens that join the running batch per engine
             step (at least one request joins each step). A burst of requests then prefills over a few steps
@@ -73,6 +76,7 @@ class ServerConfig:
     max_words_per_list: int = 256
     max_words: int = 1024
     max_semantic_top_k: int = 5000
+    max_neighbours: int = 500
     max_semantic_cache_entries: int = 256
     prefill_tokens: int = 512
     read_timeout_s: float = 30.0
@@ -92,6 +96,7 @@ class ServerConfig:
             "max_words_per_list",
             "max_words",
             "max_semantic_top_k",
+            "max_neighbours",
             "max_semantic_cache_entries",
         ):
             value = getattr(self, name)

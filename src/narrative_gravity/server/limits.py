@@ -87,6 +87,31 @@ def check_profile(profile: Profile, config: ServerConfig, *, param: str = "gravi
                 param=where,
                 code="profile_limit_exceeded",
             )
+    if profile.field.mode != "lexical" and profile.field.neighbours:
+        _check_neighbours(profile, param, config)
+
+
+def _check_neighbours(profile: Profile, param: str, config: ServerConfig) -> None:
+    """``field.neighbours`` within ``max_neighbours``, and the word list it draws from the default one."""
+    opts = profile.field
+    if opts.neighbours > config.max_neighbours:
+        raise APIError(
+            400,
+            f"`{param}.field.neighbours` is {opts.neighbours}, above this server's limit of {config.max_neighbours} "
+            "(--max-neighbours); lower it",
+            param=f"{param}.field.neighbours",
+            code="profile_limit_exceeded",
+        )
+    default = type(opts).model_fields["neighbours_vocabulary"].default
+    if opts.neighbours_vocabulary != default:
+        raise APIError(
+            400,
+            f"`{param}.field.neighbours_vocabulary` is {opts.neighbours_vocabulary}; this server draws neighbour "
+            f"words from the default {default} only (each other value embeds and caches a new word list); "
+            "leave it out",
+            param=f"{param}.field.neighbours_vocabulary",
+            code="profile_limit_exceeded",
+        )
 
 
 def check_gravity(gravity: ResolvedGravity | None, backend: Backend, config: ServerConfig) -> None:
