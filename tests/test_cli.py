@@ -196,12 +196,19 @@ def test_generate_writes_each_batch_as_it_finishes(tiny_folder, tmp_path):
     import time
 
     prompts = tmp_path / "p.txt"
-    total = 4000  # far more than can finish between the first two rows and the interrupt
+    total = 400
     prompts.write_text("".join(f"The planet {i}\n" for i in range(total)))
     out = tmp_path / "o.jsonl"
     cmd = [sys.executable, "-m", "narrative_gravity.cli", "generate", "--prompts", str(prompts), "--no-gravity"]
     cmd += ["--output", str(out), "--model", str(tiny_folder), "--batch-size", "1", "--max-new-tokens", "4", "--raw"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    # a shell that starts the tests in the background hands its children SIGINT ignored; undo that
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 120
         while (not out.exists() or out.read_text().count("\n") < 2) and time.monotonic() < deadline:
