@@ -442,35 +442,27 @@ class ProfileStore:
         ``expect_live``, the pointer moves only if the live version is still that one (a check that ran against
         it still holds); otherwise :class:`StoreError` says what changed.
         """
-        if message is not None and not isinstance(message, str):
-            raise StoreError(f"message must be text, but is {type(message).__name__}")
-        directory = self._dir(name)
-        self._versions(name)
-        try:
-            with _locked(directory):
-                _sweep(directory)
-                versions = _scan(directory)
-                # a damaged pointer is repaired by promoting a named version
-                live = self._live_or_none(name, versions) if version is not None and expect_live is None else None
-                if live is None and (version is None or expect_live is not None):
-                    live = self._live(name, versions)
-                if expect_live is not None and live != expect_live:
+        _check_message(message)
+        with self._writing(name) as (directory, versions):
+            # a damaged pointer is repaired by promoting a named version
+            live = self._live_or_none(name, versions) if version is not None and expect_live is None else None
+            if live is None and (version is None or expect_live is not None):
+                live = self._live(name, versions)
+            if expect_live is not None and live != expect_live:
+                raise StoreError(
+                    f"the live version of {name!r} changed from {expect_live} to {live} meanwhile; nothing was "
+                    "promoted; run the promotion again against the new live version"
+                )
+            if version is None:
+                if live is not None and versions[-1] <= live:
                     raise StoreError(
-                        f"the live version of {name!r} changed from {expect_live} to {live} meanwhile; nothing was "
-                        "promoted; run the promotion again against the new live version"
+                        f"nothing is staged for {name!r}: its live version {live} is the newest; stage one with "
+                        f"`ngrav profile stage {name} FILE`, or name a version with --version"
                     )
-                if version is None:
-                    if live is not None and versions[-1] <= live:
-                        raise StoreError(
-                            f"nothing is staged for {name!r}: its live version {live} is the newest; stage one with "
-                            f"`ngrav profile stage {name} FILE`, or name a version with --version"
-                        )
-                    version = versions[-1]
-                version = self._pick(name, version, versions)
-                self._read(name, version)  # never point at a snapshot that cannot be read
-                self._move_live(directory, version, live, message or f"promote {version}")
-        except OSError as exc:
-            raise self._write_failed(name, exc) from None
+                version = versions[-1]
+            version = self._pick(name, version, versions)
+            self._read(name, version)  # never point at a snapshot that cannot be read
+            self._move_live(directory, version, live, message or f"promote {version}")
         return version
 
     def rollback(self, name: str, to: int) -> int:
@@ -490,27 +482,19 @@ class ProfileStore:
         ``None`` (or an empty mapping) clears the rollout: no shadow, no split. A split must name a stored
         version other than the live one.
         """
-        if message is not None and not isinstance(message, str):
-            raise StoreError(f"message must be text, but is {type(message).__name__}")
+        _check_message(message)
         if config is None:
             config = RolloutConfig()
         elif not isinstance(config, RolloutConfig):
             config = RolloutConfig.from_mapping(dict(config) if isinstance(config, Mapping) else config)
-        directory = self._dir(name)
-        self._versions(name)
-        try:
-            with _locked(directory):
-                _sweep(directory)
-                versions = _scan(directory)
-                config.check_versions(name, versions, self._live(name, versions))
-                current = self._rollout_doc(name)
-                state = RolloutState((current.revision if current else 0) + 1, _now(), message, config)
-                doc = {"format": FORMAT, "revision": state.revision, "updated": state.updated, "message": message}
-                doc["rollout"] = config.model_dump(mode="json", exclude_defaults=True)
-                _write_atomic(directory, _ROLLOUT, _encode(doc, name))
-                _append_line(directory / _ROLLOUT_HISTORY, doc)
-        except OSError as exc:
-            raise self._write_failed(name, exc) from None
+        with self._writing(name) as (directory, versions):
+            config.check_versions(name, versions, self._live(name, versions))
+            current = self._rollout_doc(name)
+            state = RolloutState((current.revision if current else 0) + 1, _now(), message, config)
+            doc = {"format": FORMAT, "revision": state.revision, "updated": state.updated, "message": message}
+            doc["rollout"] = config.model_dump(mode="json", exclude_defaults=True)
+            _write_atomic(directory, _ROLLOUT, _encode(doc, name))
+            _append_line(directory / _ROLLOUT_HISTORY, doc)
         return state
 
     def list(self) -> builtins.list[ProfileInfo]:
@@ -576,8 +560,7 @@ class ProfileStore:
 
     @staticmethod
     def _validated(name: str, profile: Profile | Mapping[str, Any], message: str | None) -> Profile:
-        if message is not None and not isinstance(message, str):
-            raise StoreError(f"snapshot message must be text, but is {type(message).__name__}")
+        _check_message(message, "snapshot message")
         if isinstance(profile, Profile):
             data: Any = profile.model_dump(mode="json")
         elif isinstance(profile, Mapping):
@@ -656,6 +639,19 @@ class ProfileStore:
         doc = {"format": FORMAT, "version": version, "updated": _now(), "message": message}
         _write_atomic(directory, _LIVE, _encode(doc, directory.name))
         _append_line(directory / _LIVE_HISTORY, {**doc, "previous": previous})
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[tuple[Path, builtins.list[int]]]:
+        """``(folder, versions)`` of an existing ``name``, under its lock, unpublished writes swept away; an
+        ``OSError`` inside becomes the store's "cannot write" error."""
+        directory = self._dir(name)
+        self._versions(name)
+        try:
+            with _locked(directory):
+                _sweep(directory)
+                yield directory, _scan(directory)
+        except OSError as exc:
+            raise self._write_failed(name, exc) from None
 
     def _write_failed(self, name: str, exc: OSError) -> StoreDamagedError:
         return StoreDamagedError(
@@ -849,6 +845,12 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _check_message(message: Any, what: str = "message") -> None:
+    """A version's or a change's message is text or ``None``."""
+    if message is not None and not isinstance(message, str):
+        raise StoreError(f"{what} must be text, but is {type(message).__name__}")
 
 
 def _now() -> str:
