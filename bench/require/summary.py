@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from narrative_gravity.eval.report import load_run
+from narrative_gravity.eval.stats import bootstrap_ci
 
 CONTROL = "control"
 
@@ -24,14 +26,6 @@ CONTROL = "control"
 def _number(x: object) -> bool:
     """A finite metric value (Dist-3 is ``None`` or NaN for a text too short to have trigrams)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _bootstrap_geo_mean(logs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of exp(mean(logs))."""
-    rng = random.Random(seed)
-    n = len(logs)
-    means = sorted(math.exp(statistics.fmean(rng.choices(logs, k=n))) for _ in range(reps))
-    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -49,8 +43,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ppl = [m["judge_ppl"] for m in cells.values()]
         d3 = [d for m in cells.values() if _number(d := m["distinct_3"])]
         logs = [math.log(cells[k]["judge_ppl"] / control[k]["judge_ppl"]) for k in cells if k in control]
-        geo = math.exp(statistics.fmean(logs))
-        lo, hi = _bootstrap_geo_mean(logs)
+        geo, lo, hi = (math.exp(x) for x in bootstrap_ci(logs))  # the mean log ratio, and its interval
         out[arm] = {
             "prompts": len(cells),
             "required_inclusion": statistics.fmean(m["required_inclusion"] for m in cells.values()),
@@ -69,7 +62,7 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="the --out folder of the ngrav eval run")
     ap.add_argument("--json", type=Path, default=None, help="write the table here")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in (args.run / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows, _, _ = load_run(args.run)
     table = summarize(rows)
     print(
         "| arm | required words contained | judge PPL (median) | ratio of medians | paired ratio [95% CI] | Dist-3 ratio |"

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import wordfreq
+from run_io import read_run, write_outputs
 
 from narrative_gravity.eval.lexicon import TEST_TOPICS, TUNE_TOPICS, clean_words, read_categories
 from narrative_gravity.eval.prompts import split_wordlist
@@ -90,8 +91,7 @@ def diagnose(topic: str, words: tuple[str, ...], tokenizer: Any, profile_spec: d
 def trace_means(run: Path, arm: str) -> dict[str, dict[str, float]]:
     """Per topic, the means of ``arm``'s trace and its success (and plain's) in the run's ``results.jsonl``."""
     cells: dict[str, dict[str, list[float]]] = {}
-    for line in (run / "results.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_run(run)[0]:
         if r["profile"] not in (arm, "control"):
             continue
         c = cells.setdefault(r["topic"], {k: [] for k in ("mass", "mass_after", "kl", "lam", "success", "plain")})
@@ -148,20 +148,19 @@ def main() -> None:
     cols = ["one_token", "reached", "reached_split", "zipf", "field_tokens", "field_mass_on_held"]
     if args.run is not None:
         cols += ["mass", "mass_after", "kl", "lam"]
-    print(f"{'topic':<16}{'lift':>7}" + "".join(f"{c:>19} " for c in cols))
+    lines = [f"{'topic':<16}{'lift':>7}" + "".join(f"{c:>19} " for c in cols)]
     for r in rows:
         lift = "" if r["lift"] is None else f"{r['lift']:+.3f}"
         cells = "".join(f"{'-' if r.get(c) is None else round(r[c], 3):>19} " for c in cols)
-        print(f"{r['topic']:<16}{lift:>7}{cells}")
+        lines.append(f"{r['topic']:<16}{lift:>7}{cells}")
     correlations = {}
     scored = [r for r in rows if r["lift"] is not None]
     if len(scored) >= 3:
         for c in cols:
             pairs = [(r[c], r["lift"]) for r in scored if r[c] is not None]
             correlations[c] = _spearman([p[0] for p in pairs], [p[1] for p in pairs])
-        print("Spearman with lift: " + ", ".join(f"{c} {v:+.2f}" for c, v in correlations.items()))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"topics": rows, "spearman": correlations}, indent=2) + "\n")
+        lines.append("Spearman with lift: " + ", ".join(f"{c} {v:+.2f}" for c, v in correlations.items()))
+    write_outputs({"topics": rows, "spearman": correlations}, "\n".join(lines), args.json)
 
 
 if __name__ == "__main__":
