@@ -163,6 +163,18 @@ def test_judge_perplexity_matches_a_plain_forward_pass(tiny_model):
         nll = -logp.gather(-1, tgt[:, None]).squeeze(-1)[-len(xids) :].mean()
         assert ppl == pytest.approx(float(torch.exp(nll)), rel=1e-4)
     assert math.isnan(judge.perplexity(["x"], [""])[0])
+    # per token: one NLL for every continuation token, the same forward pass, summing to the row's NLL
+    per_token = judge.token_nll(contexts, conts)
+    for c, x, row, (total, n) in zip(contexts, conts, per_token, judge.nll(contexts, conts), strict=True):
+        cids = tok(c, add_special_tokens=True)["input_ids"]
+        xids = tok(x, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([cids + xids])).logits[0, :-1].float(), -1)
+        want = -logp.gather(-1, torch.tensor(cids + xids)[1:, None]).squeeze(-1)[-len(xids) :]
+        assert row.shape == (len(xids),) == (n,)
+        assert torch.allclose(row, want, atol=1e-4)
+        assert float(row.sum()) == pytest.approx(total, rel=1e-6)
+    assert judge.token_nll(["x"], [""])[0].numel() == 0
 
 
 def test_judge_metric_uses_the_context_and_geomean(tiny_model):

@@ -8,12 +8,17 @@ interval, and per arm the paired change from the first window to the last (over 
 the last window), with the judge's perplexity ratio against plain beside it. ``--plot`` draws relevance by
 window, one line per arm with its interval.
 
+``--judge-windows`` also reads the judge's (Gemma 3 270M) NLL of every token of each continuation and sums
+it by window, so that the perplexity a pull costs can be read along the text: per window, each arm's median
+perplexity and its geometric-mean paired ratio to plain with a 95% bootstrap interval (the plot gets a second
+panel).
+
 Usage::
 
     ngrav eval --engine vllm --prompts topics --profile auto --seeds 0-2 --max-new-tokens 256 --batch-size 20 \\
         --out /tmp/topics-long
     python bench/topics/long_texts.py /tmp/topics-long --json bench/results/topics-long.json \\
-        --plot docs/img/topics-long.png
+        --plot docs/img/topics-long.png --judge-windows
 """
 
 from __future__ import annotations
@@ -66,6 +71,64 @@ def relevance_by_window(
     for (arm, key, k, _, words), v in zip(pieces, vectors, strict=True):
         out[arm][key][k] = float(v @ ctx.centroid(words))
     return n_windows, out
+
+
+def judge_by_window(
+    rows: list[dict[str, Any]], manifest: dict[str, Any], window: int, judge: Any, batch: int = 16
+) -> dict[str, dict[tuple[int, int], list[float]]]:
+    """``{arm: {(prompt index, seed): [judge NLL per token in each window, NaN where the text had ended]}}``.
+
+    Each continuation is scored once, given its prompt (``judge.token_nll``); a judge token belongs to the
+    window in which its first character lies, so the windows' NLLs add up to the whole continuation's."""
+    from tqdm import tqdm
+
+    settings = manifest["settings"]
+    n_windows = max(1, math.ceil(int(settings["max_new_tokens"]) / window))
+    tokenizer = load_tokenizer(settings.get("model"))
+    out: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(dict)
+    jobs: list[tuple[str, tuple[int, int], str, str, list[int]]] = []
+    for r in rows:
+        key = (r["prompt_index"], r["seed"])
+        out[r["profile"]][key] = [math.nan] * n_windows
+        texts = [t for t in window_texts(tokenizer, r["token_ids"], window, n_windows) if t is not None]
+        ends = np.cumsum([len(t) for t in texts]).tolist()  # where each window's text ends in the continuation
+        if "".join(texts).strip():
+            jobs.append((r["profile"], key, r["prompt"], "".join(texts), ends))
+    for i in tqdm(range(0, len(jobs), batch), desc="judging windows", unit="batch", leave=False):
+        chunk = jobs[i : i + batch]
+        scored = judge.token_nll([j[2] for j in chunk], [j[3] for j in chunk])
+        for (arm, key, _, text, ends), nll in zip(chunk, scored, strict=True):
+            spans = judge.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            spans = spans[: judge.max_length - 1][len(spans) - nll.numel() :] if nll.numel() else []
+            sums, counts = np.zeros(n_windows), np.zeros(n_windows)
+            for (first, _), v in zip(spans, nll.tolist(), strict=True):
+                k = min(int(np.searchsorted(ends, first, side="right")), len(ends) - 1)
+                sums[k] += v
+                counts[k] += 1
+            out[arm][key] = [sums[k] / counts[k] if counts[k] else math.nan for k in range(n_windows)]
+    return out
+
+
+def summarize_judge(nll: dict[str, dict[tuple[int, int], list[float]]], window: int) -> dict[str, Any]:
+    """Per arm and window: median perplexity, and the paired ratio to plain (exp of the mean NLL difference)."""
+    plain = nll.get("control", {})
+    arms: dict[str, Any] = {}
+    for arm, by_key in nll.items():
+        keys = sorted(by_key)
+        grid = np.array([by_key[k] for k in keys], dtype=float)
+        per_window = []
+        for k in range(grid.shape[1]):
+            entry: dict[str, Any] = {
+                "tokens": f"{k * window + 1}-{(k + 1) * window}",
+                "median_ppl": float(np.exp(np.nanmedian(grid[:, k]))) if np.isfinite(grid[:, k]).any() else math.nan,
+            }
+            if arm != "control":
+                base = np.array([plain.get(key, [math.nan] * grid.shape[1])[k] for key in keys], dtype=float)
+                c = paired_bootstrap(base, grid[:, k], higher_is_better=False)
+                entry.update(ratio=math.exp(c.difference), low=math.exp(c.low), high=math.exp(c.high), pairs=c.n)
+            per_window.append(entry)
+        arms[arm] = per_window
+    return arms
 
 
 def judge_ratio(rows: list[dict[str, Any]], arm: str) -> float:
@@ -122,6 +185,16 @@ def markdown(summary: dict[str, Any]) -> str:
             + " | ".join(cells)
             + f" | {c['difference']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (n={c['n']}) | {a['judge_ppl_ratio']:.2f} |"
         )
+    if "judge_windows" in summary:
+        lines += ["", "| method | " + " | ".join(f"PPL, tokens {w['tokens']}" for w in first) + " |"]
+        lines.append("|---|" + "---:|" * n)
+        for arm, per in summary["judge_windows"].items():
+            cells = [
+                f"{w['median_ppl']:.1f}"
+                + (f" ({w['ratio']:.2f}× [{w['low']:.2f}, {w['high']:.2f}])" if "ratio" in w else "")
+                for w in per
+            ]
+            lines.append(f"| {LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -131,7 +204,9 @@ def plot(summary: dict[str, Any]) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    judged = "judge_windows" in summary
+    fig, axes = plt.subplots(1, 2 if judged else 1, figsize=(11.5 if judged else 6.4, 3.8), squeeze=False)
+    ax = axes[0, 0]
     for arm, a in summary["arms"].items():
         x = np.arange(1, summary["n_windows"] + 1)
         mean = [w["mean"] for w in a["windows"]]
@@ -143,6 +218,21 @@ def plot(summary: dict[str, Any]) -> Any:
     ax.set_title("Relevance along the continuation (95% bootstrap intervals)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if judged:
+        right = axes[0, 1]
+        for arm, per in summary["judge_windows"].items():
+            if arm == "control":
+                continue
+            x = np.arange(1, len(per) + 1)
+            right.plot(x, [w["ratio"] for w in per], marker="o", color="C1", label=LABELS.get(arm, arm))
+            right.fill_between(x, [w["low"] for w in per], [w["high"] for w in per], color="C1", alpha=0.2)
+            right.set_xticks(x, [w["tokens"] for w in per])
+        right.axhline(1.0, color="C0", lw=1, label="plain decoding")
+        right.set_xlabel(f"window of {summary['window']} generated tokens")
+        right.set_ylabel("judge perplexity / plain's (paired, geometric)")
+        right.set_title("What the pull costs, window by window")
+        right.grid(alpha=0.3)
+        right.legend()
     fig.tight_layout()
     return fig
 
@@ -153,12 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64, help="tokens per window")
     ap.add_argument("--json", type=Path, default=None, help="write the summary here")
     ap.add_argument("--plot", type=Path, default=None, help="write the relevance-by-window plot here (PNG)")
+    ap.add_argument(
+        "--judge-windows", action="store_true", help="also score each window's perplexity with the judge (minutes)"
+    )
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error("--window has to be >= 1")
     rows, manifest = read_run(args.run)
     n_windows, rel = relevance_by_window(rows, manifest, args.window, MetricContext())
     summary = summarize(n_windows, rel, rows, args.window)
+    if args.judge_windows:
+        from narrative_gravity.eval.judge import load_judge
+
+        name = manifest["settings"].get("judge")  # the run's judge; the default where the run had none
+        judge = load_judge(None if name in (None, "none") else name)
+        summary["judge_windows"] = summarize_judge(judge_by_window(rows, manifest, args.window, judge), args.window)
     summary["run"] = {"settings": manifest["settings"], "rows": len(rows)}
     write_outputs(summary, markdown(summary), args.json, args.plot, plot)
     return 0

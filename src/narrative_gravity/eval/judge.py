@@ -65,10 +65,16 @@ class PerplexityJudge:
 
     def nll(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[tuple[float, int]]:
         """``(summed NLL in nats, scored tokens)`` per row; the first token of a row without context is not scored."""
+        return [(float(t.sum()), int(t.numel())) for t in self.token_nll(contexts, continuations)]
+
+    def token_nll(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[torch.Tensor]:
+        """The NLL (nats) of each scored continuation token, per row: a ``[n]`` float tensor for the last ``n``
+        tokens of the continuation as the judge tokenizes it (``add_special_tokens=False``); all of them, but
+        the first where the row has no context. Empty for an empty continuation."""
         if len(contexts) != len(continuations):
             raise ConfigurationError(f"got {len(contexts)} contexts but {len(continuations)} continuations")
         pairs = self._pairs(contexts, continuations)
-        results: list[tuple[float, int]] = [(0.0, 0)] * len(pairs)
+        results: list[torch.Tensor] = [torch.zeros(0)] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
         device = next(self.model.parameters()).device
         longest = max((n for _, n in pairs), default=1)
@@ -102,7 +108,7 @@ class PerplexityJudge:
             logp = torch.log_softmax(pred, dim=-1).gather(-1, target[..., None]).squeeze(-1).cpu()
             for r, i in enumerate(idx):
                 n = min(pairs[i][1], len(pairs[i][0]) - 1)
-                results[i] = (float(-logp[r, keep - n :].sum()), n)
+                results[i] = -logp[r, keep - n :]
         return results
 
     def perplexity(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[float]:
