@@ -99,7 +99,8 @@ def judge_by_window(
         scored = judge.token_nll([j[2] for j in chunk], [j[3] for j in chunk])
         for (arm, key, _, text, ends), nll in zip(chunk, scored, strict=True):
             spans = judge.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-            spans = spans[: judge.max_length - 1][len(spans) - nll.numel() :] if nll.numel() else []
+            spans = spans[: judge.max_length - 1]  # as the judge cut the continuation; it scored the last tokens
+            spans = spans[len(spans) - nll.numel() :] if nll.numel() else []
             sums, counts = np.zeros(n_windows), np.zeros(n_windows)
             for (first, _), v in zip(spans, nll.tolist(), strict=True):
                 k = min(int(np.searchsorted(ends, first, side="right")), len(ends) - 1)
