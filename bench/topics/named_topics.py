@@ -13,7 +13,7 @@ Usage::
     python bench/topics/named_topics.py --tuning out/named-topics-tune.jsonl     # for choosing settings
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/ngrav eval --engine vllm --prompts out/named-topics.jsonl \\
         --raw --profile auto --seeds 0-1 --max-new-tokens 256 --batch-size 20 --out out/named-long
-    python bench/topics/long_texts.py out/named-long --json bench/results/named-long.json
+    python bench/topics/long_texts.py out/named-long --judge-windows --json bench/results/named-long.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from narrative_gravity.eval.prompts import find_topics_folder, load_topics
 
 # How each word list's name reads in a sentence; the others read as they are.
-NAMES = {"legal": "the law", "computers": "computers"}
+NAMES = {"legal": "the law"}
 
 
 def lead(topic: str) -> str:
