@@ -49,32 +49,42 @@ def window_texts(tokenizer: Any, token_ids: list[int], window: int, n_windows: i
     return out
 
 
-def relevance_by_window(
-    rows: list[dict[str, Any]], manifest: dict[str, Any], window: int, ctx: MetricContext
-) -> tuple[int, dict[str, dict[tuple[int, int], list[float]]]]:
-    """``(windows, {arm: {(prompt index, seed): [relevance per window, NaN where the text had ended]}})``."""
+Windows = dict[tuple[str, int, int], list[str | None]]
+
+
+def cut_windows(rows: list[dict[str, Any]], manifest: dict[str, Any], window: int) -> tuple[int, Windows]:
+    """``(windows per text, {(arm, prompt index, seed): window_texts(...)})``: every continuation cut once."""
     settings = manifest["settings"]
-    budget = int(settings["max_new_tokens"])
-    n_windows = max(1, math.ceil(budget / window))
-    prompts = {p.index: p for p in load_prompts(settings["prompts"])}
+    n_windows = max(1, math.ceil(int(settings["max_new_tokens"]) / window))
     tokenizer = load_tokenizer(settings.get("model"))
+    texts = {
+        (r["profile"], r["prompt_index"], r["seed"]): window_texts(tokenizer, r["token_ids"], window, n_windows)
+        for r in rows
+    }
+    return n_windows, texts
+
+
+def relevance_by_window(
+    n_windows: int, windows: Windows, manifest: dict[str, Any], ctx: MetricContext
+) -> dict[str, dict[tuple[int, int], list[float]]]:
+    """``{arm: {(prompt index, seed): [relevance per window, NaN where the text had ended]}}``."""
+    prompts = {p.index: p for p in load_prompts(manifest["settings"]["prompts"])}
     pieces: list[tuple[str, tuple[int, int], int, str, tuple[str, ...]]] = []
-    for r in rows:
-        words = prompts[r["prompt_index"]].score_words()
-        for k, text in enumerate(window_texts(tokenizer, r["token_ids"], window, n_windows)):
-            if text is not None and text.strip() and words:
-                pieces.append((r["profile"], (r["prompt_index"], r["seed"]), k, text, tuple(words)))
     out: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(dict)
-    for r in rows:
-        out[r["profile"]][(r["prompt_index"], r["seed"])] = [math.nan] * n_windows
+    for (arm, index, seed), texts in windows.items():
+        out[arm][(index, seed)] = [math.nan] * n_windows
+        words = prompts[index].score_words()
+        for k, text in enumerate(texts):
+            if text is not None and text.strip() and words:
+                pieces.append((arm, (index, seed), k, text, tuple(words)))
     vectors = ctx.vectors([p[3] for p in pieces])
     for (arm, key, k, _, words), v in zip(pieces, vectors, strict=True):
         out[arm][key][k] = float(v @ ctx.centroid(words))
-    return n_windows, out
+    return out
 
 
 def judge_by_window(
-    rows: list[dict[str, Any]], manifest: dict[str, Any], window: int, judge: Any, batch: int = 16
+    n_windows: int, windows: Windows, prompts: dict[tuple[int, int], str], judge: Any, batch: int = 16
 ) -> dict[str, dict[tuple[int, int], list[float]]]:
     """``{arm: {(prompt index, seed): [judge NLL per token in each window, NaN where the text had ended]}}``.
 
@@ -82,18 +92,15 @@ def judge_by_window(
     window in which its first character lies, so the windows' NLLs add up to the whole continuation's."""
     from tqdm import tqdm
 
-    settings = manifest["settings"]
-    n_windows = max(1, math.ceil(int(settings["max_new_tokens"]) / window))
-    tokenizer = load_tokenizer(settings.get("model"))
     out: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(dict)
     jobs: list[tuple[str, tuple[int, int], str, str, list[int]]] = []
-    for r in rows:
-        key = (r["prompt_index"], r["seed"])
-        out[r["profile"]][key] = [math.nan] * n_windows
-        texts = [t for t in window_texts(tokenizer, r["token_ids"], window, n_windows) if t is not None]
+    for (arm, index, seed), cut in windows.items():
+        key = (index, seed)
+        out[arm][key] = [math.nan] * n_windows
+        texts = [t for t in cut if t is not None]
         ends = np.cumsum([len(t) for t in texts]).tolist()  # where each window's text ends in the continuation
         if "".join(texts).strip():
-            jobs.append((r["profile"], key, r["prompt"], "".join(texts), ends))
+            jobs.append((arm, key, prompts[key], "".join(texts), ends))
     for i in tqdm(range(0, len(jobs), batch), desc="judging windows", unit="batch", leave=False):
         chunk = jobs[i : i + batch]
         scored = judge.token_nll([j[2] for j in chunk], [j[3] for j in chunk])
@@ -221,14 +228,15 @@ def plot(summary: dict[str, Any]) -> Any:
     ax.legend()
     if judged:
         right = axes[0, 1]
+        colours = {arm: f"C{i}" for i, arm in enumerate(summary["arms"])}  # each arm as in the left panel
         for arm, per in summary["judge_windows"].items():
             if arm == "control":
                 continue
             x = np.arange(1, len(per) + 1)
-            right.plot(x, [w["ratio"] for w in per], marker="o", color="C1", label=LABELS.get(arm, arm))
-            right.fill_between(x, [w["low"] for w in per], [w["high"] for w in per], color="C1", alpha=0.2)
+            right.plot(x, [w["ratio"] for w in per], marker="o", color=colours[arm], label=LABELS.get(arm, arm))
+            right.fill_between(x, [w["low"] for w in per], [w["high"] for w in per], color=colours[arm], alpha=0.2)
             right.set_xticks(x, [w["tokens"] for w in per])
-        right.axhline(1.0, color="C0", lw=1, label="plain decoding")
+        right.axhline(1.0, color=colours.get("control", "C0"), lw=1, label="plain decoding")
         right.set_xlabel(f"window of {summary['window']} generated tokens")
         right.set_ylabel("judge perplexity / plain's (paired, geometric)")
         right.set_title("What the pull costs, window by window")
@@ -251,14 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.window < 1:
         ap.error("--window has to be >= 1")
     rows, manifest = read_run(args.run)
-    n_windows, rel = relevance_by_window(rows, manifest, args.window, MetricContext())
+    n_windows, windows = cut_windows(rows, manifest, args.window)
+    rel = relevance_by_window(n_windows, windows, manifest, MetricContext())
     summary = summarize(n_windows, rel, rows, args.window)
     if args.judge_windows:
         from narrative_gravity.eval.judge import load_judge
 
         name = manifest["settings"].get("judge")  # the run's judge; the default where the run had none
         judge = load_judge(None if name in (None, "none") else name)
-        summary["judge_windows"] = summarize_judge(judge_by_window(rows, manifest, args.window, judge), args.window)
+        prompts = {(r["prompt_index"], r["seed"]): r["prompt"] for r in rows}
+        nll = judge_by_window(n_windows, windows, prompts, judge)
+        summary["judge_windows"] = summarize_judge(nll, args.window)
     summary["run"] = {"settings": manifest["settings"], "rows": len(rows)}
     write_outputs(summary, markdown(summary), args.json, args.plot, plot)
     return 0
