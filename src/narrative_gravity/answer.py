@@ -24,6 +24,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .generation import SamplingOptions, chat_ids, sample_ids
+from .lead import lead_messages, lead_sentence
 from .pipeline import Prepared, parse_documents, prepare, split_documents, stage_report
 from .profile import Profile
 
@@ -86,7 +87,8 @@ def answer(
         return [tok.decode(row, skip_special_tokens=True) for row in write(ids, opts, None)]
 
     prepared = prepare(msgs, passages, profile, tokenizer=tok, encoder=encoder, draft=draft)
-    ids = write([chat_ids(tok, prepared.messages)], options, prepared.profile)[0]
+    lead = lead_sentence(prepared.profile, raw=False)  # the profile's topic sentence, as a system message
+    ids = write([chat_ids(tok, lead_messages(prepared.messages, lead))], options, prepared.profile)[0]
     text = tok.decode(ids, skip_special_tokens=True)
     report = dict(prepared.report)
     if prepared.stages:

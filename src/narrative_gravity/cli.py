@@ -218,6 +218,7 @@ def generate(
 
     from .generation import SamplingOptions, check_engine, vllm_engine
     from .generation import generate as run
+    from .lead import lead_sentence
     from .steer import processor_from_profile
 
     _run_guarded(lambda: check_engine(engine))
@@ -227,10 +228,13 @@ def generate(
     _check_output(output, "--output")
     prof = _load_profile(profile) if profile is not None else None
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
+    lead = None if no_gravity else _run_guarded(lambda: lead_sentence(prof, raw=raw))
     batch: Any  # (prompts, advance) -> results, on the chosen engine
     if engine == "vllm":
         vllm_generate = _run_guarded(vllm_engine)
-        gen = _load_vllm(vllm_generate, model, texts, raw=raw, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        gen = _load_vllm(
+            vllm_generate, model, texts, raw=raw, max_new_tokens=max_new_tokens, batch_size=batch_size, lead=lead
+        )
         pull = None if no_gravity else prof
 
         def batch(chunk: list[str], advance: Any) -> Any:
@@ -257,6 +261,7 @@ def generate(
                 batch_size=batch_size,
                 record_trace=trace,
                 progress=advance,
+                lead=lead,
             )
 
     try:
@@ -299,7 +304,14 @@ def generate(
 
 
 def _load_vllm(
-    vllm_generate: Any, model: str | None, texts: list[str], *, raw: bool, max_new_tokens: int, batch_size: int
+    vllm_generate: Any,
+    model: str | None,
+    texts: list[str],
+    *,
+    raw: bool,
+    max_new_tokens: int,
+    batch_size: int,
+    lead: str | None = None,
 ) -> Any:
     """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` sized for ``texts``, or one error line."""
     from rich.console import Console
@@ -309,7 +321,9 @@ def _load_vllm(
 
     _check_model(model)
     tok = _run_guarded(lambda: load_tokenizer(model))
-    longest = max(len(ids) for ids in _run_guarded(lambda: encode_prompts(tok, texts, raw=raw))) + max_new_tokens
+    longest = (
+        max(len(ids) for ids in _run_guarded(lambda: encode_prompts(tok, texts, raw=raw, lead=lead))) + max_new_tokens
+    )
     with Console(stderr=True).status(f"starting vLLM on {model or 'smollm2'} (~30 s on a CPU)"):
         try:
             return vllm_generate.VLLMGenerator.load(model, max_num_seqs=batch_size, longest=longest, tokenizer=tok)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .generation import GenerationResult, SamplingOptions, encode_prompts, generate
+from .lead import lead_sentence
 from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
 from .profile import Profile
 from .steer import field_from_profile, processor_from_profile
@@ -86,6 +87,7 @@ def compare_runs(
     """Generate control and gravity for seeds ``0..seeds-1`` and measure both."""
     field = field_from_profile(profile, tokenizer, model=model)  # model: for fields from the LM's embeddings
     prompt_ids = encode_prompts(tokenizer, [prompt], raw=raw)[0]
+    lead = lead_sentence(profile, raw=raw)  # gravity's rows read the topic sentence first; control's do not
     rows = []
     for seed in range(seeds):
         opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
@@ -106,6 +108,7 @@ def compare_runs(
                 raw=raw,
                 batch_size=1,
                 record_trace=True,
+                lead=lead if mode == "gravity" else None,
             )
             pair[mode] = res
             if progress is not None:

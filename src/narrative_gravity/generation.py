@@ -18,6 +18,7 @@ import torch
 
 from .errors import ConfigurationError
 from .gravity.thermo import Trace
+from .lead import lead_messages, lead_text
 
 __all__ = [
     "ENGINES",
@@ -135,16 +136,28 @@ class GenerationResult:
         return out
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, raw: bool) -> list[list[int]]:
-    """Token ids per prompt: the chat template as a user turn, or plain text with ``raw``."""
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[str], *, raw: bool, lead: str | Sequence[str | None] | None = None
+) -> list[list[int]]:
+    """Token ids per prompt: the chat template as a user turn, or plain text with ``raw``.
+
+    ``lead``: a topic sentence the model reads first (:mod:`narrative_gravity.lead`), one for every prompt or
+    one per prompt: before the text with ``raw``, else as a system message.
+    """
+    leads = [lead] * len(prompts) if lead is None or isinstance(lead, str) else list(lead)
+    if len(leads) != len(prompts):
+        raise ValueError(f"{len(leads)} leads for {len(prompts)} prompts")
     if raw:
-        enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        return [list(ids) for ids in enc]
+        enc = tokenizer([lead_text(p, s) for p, s in zip(prompts, leads, strict=True)], add_special_tokens=True)
+        return [list(ids) for ids in enc["input_ids"]]
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigurationError(
             "this model's tokenizer has no chat template; pass --raw (raw=True) for plain continuation"
         )
-    return [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    return [
+        chat_ids(tokenizer, lead_messages([{"role": "user", "content": p}], s))
+        for p, s in zip(prompts, leads, strict=True)
+    ]
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -187,17 +200,19 @@ def generate(
     batch_size: int = 8,
     record_trace: bool = False,
     progress: Callable[[int], None] | None = None,
+    lead: str | None = None,
 ) -> list[GenerationResult]:
     """Generate a continuation for every prompt, ``batch_size`` prompts at a time (left-padded).
 
     ``processor_factory(max_new_tokens, trace)`` returns a logits processor for one batch, or ``None`` for
-    plain decoding. Each batch is seeded with ``options.seed`` so a run is reproducible.
+    plain decoding. Each batch is seeded with ``options.seed`` so a run is reproducible. ``lead``: a topic
+    sentence the model reads before every prompt (:func:`narrative_gravity.lead.lead_sentence`).
     """
     if batch_size < 1:
         raise ConfigurationError(f"`batch_size` has to be >= 1, but is {batch_size}")
     if not prompts:
         return []
-    encoded = encode_prompts(tokenizer, prompts, raw=raw)
+    encoded = encode_prompts(tokenizer, prompts, raw=raw, lead=lead)
     results: list[GenerationResult] = []
     for start in range(0, len(prompts), batch_size):
         chunk = encoded[start : start + batch_size]

@@ -51,6 +51,7 @@ __all__ = [
     "ContextLevel",
     "ConversationLevel",
     "FieldOptions",
+    "Lead",
     "Phases",
     "PlanLevel",
     "Profile",
@@ -285,6 +286,35 @@ class Require(_Strict):
         return self
 
 
+class Lead(_Strict):
+    """A topic sentence the model reads before the prompt and the output never shows
+    (:mod:`narrative_gravity.lead`): text before the prompt in plain continuation, a system message in chat.
+
+    ``{words}`` in ``text`` becomes ``words`` of the profile's ``core_semantics``: with ``pick: central`` the
+    ones nearest the MiniLM centroid of them all (in the profile's order for scripts without spaces, which
+    MiniLM does not read), with ``pick: first`` the first ones. ``lead: {}`` switches the defaults on.
+    """
+
+    text: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="the sentence, '{words}' standing for the chosen words; None = 'The following is about "
+        "{words}.' in plain continuation, 'Write about {words}.' in chat",
+    )
+    words: int = Field(3, ge=1, le=16, description="how many core_semantics words '{words}' names")
+    pick: Literal["central", "first"] = Field(
+        "central", description="central: the words nearest their own MiniLM centroid; first: the profile's order"
+    )
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("lead.text is blank; give a sentence, or leave it out for the default")
+        return v
+
+
 class ContextLevel(_Strict):
     """The context level of a request's pipeline: prune its retrieved passages to a token budget before the
     model reads them (:func:`narrative_gravity.context.prune_context`; see :mod:`narrative_gravity.pipeline`).
@@ -385,6 +415,9 @@ class Profile(_Strict):
         None, description="remember the topic of a conversation's earlier turns ({} for the defaults)"
     )
     plan: PlanLevel | None = Field(None, description="draft outlines and write stage by stage ({} for the defaults)")
+    lead: Lead | None = Field(
+        None, description="a topic sentence read before the prompt, never shown in the output ({} for the defaults)"
+    )
 
     @field_validator("require", mode="before")
     @classmethod

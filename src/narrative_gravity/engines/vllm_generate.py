@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..errors import ConfigurationError
 from ..generation import GenerationResult, SamplingOptions, encode_prompts
 from ..gravity.thermo import METRICS
+from ..lead import lead_sentence
 from ..models import hf_folder
 from ..profile import Profile
 from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
@@ -244,8 +245,9 @@ class VLLMGenerator:
     ) -> list[GenerationResult]:
         """:func:`narrative_gravity.generation.generate` on this engine, for one batch of ``prompts``: the same
         encoding (chat template, or plain text with ``raw``), the same result fields, ``profile`` on every
-        request (``None``: plain decoding, and no trace). ``seconds`` is each prompt's share of the call."""
-        encoded = encode_prompts(self.tokenizer, prompts, raw=raw)
+        request (``None``: plain decoding, and no trace), and its topic sentence (``lead``) before every prompt.
+        ``seconds`` is each prompt's share of the call."""
+        encoded = encode_prompts(self.tokenizer, prompts, raw=raw, lead=lead_sentence(profile, raw=raw))
         t0 = time.perf_counter()
         outs = self.generate(encoded, options, profile, record_trace=record_trace, on_finish=progress)
         elapsed = time.perf_counter() - t0

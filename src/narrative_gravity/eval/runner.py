@@ -37,6 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError, NarrativeGravityError
 from ..generation import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
 from ..gravity.thermo import Trace
+from ..lead import lead_sentence
 from ..profile import TOPIC_DEFAULTS, Profile
 from ..steer import field_from_profile, program_from_profile
 from .judge import DEFAULT_JUDGE
@@ -403,9 +404,9 @@ class _Runner:
             seed=seed,
         )
 
-    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
+    def generate(self, prompts: Sequence[str], seed: int, processor: Any, lead: str | None = None) -> list[_Generated]:
         options = self.options(seed)
-        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
+        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode, lead=lead)
         clock = _FirstStepClock()
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
         procs = [clock] if processor is None else [clock, processor]
@@ -490,6 +491,12 @@ class _Runner:
             fld, strength=0.0, max_new_tokens=self.s.max_new_tokens, trace=Trace(), measure_only=True
         )
 
+    def lead(self, arm: str, prompt: EvalPrompt) -> str | None:
+        """The arm's topic sentence for ``prompt`` (its profile's ``lead``), or ``None``."""
+        if arm == CONTROL or self.plan.arms[arm].baseline is not None:
+            return None
+        return lead_sentence(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)
+
     def judge_context(self, prompt: str) -> str:
         return prompt if self.s.raw_mode else prompt + "\n"
 
@@ -557,6 +564,9 @@ class _Runner:
                 row["metrics_vs"] = {a: v[j] for a, v in per_arm.items()}
             else:
                 row["profile_used"] = self.plan.profile_for(arm, p).name
+                lead = self.lead(arm, p)
+                if lead is not None:
+                    row["lead"] = lead  # what the model read before the prompt (the judge never sees it)
                 row["metrics"] = per_arm[arm][j]
             row["trace"] = g.trace
             rows.append(row)
@@ -603,8 +613,8 @@ class _VLLMRunner(_Runner):
         program_from_profile(profile, self.tok, model=self._model_for(profile))
         return profile
 
-    def generate(self, prompts: Sequence[str], seed: int, processor: Any) -> list[_Generated]:
-        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode)
+    def generate(self, prompts: Sequence[str], seed: int, processor: Any, lead: str | None = None) -> list[_Generated]:
+        encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode, lead=lead)
         t0 = time.perf_counter()
         outs = self.gen.generate(encoded, self.options(seed), processor, record_trace=True)
         elapsed = time.perf_counter() - t0
@@ -799,8 +809,9 @@ def _run_unit(
         proc = runner.processor(arm, todo[0], chunk)
     except Exception as exc:  # a profile that does not fit the tokenizer fails every prompt of the batch
         return [], [_failure(arm, p, seed, exc) for p in todo]
+    lead = runner.lead(arm, todo[0])  # the batch shares its profile, and so its topic sentence
     try:
-        gens = runner.generate([p.text for p in todo], seed, proc)
+        gens = runner.generate([p.text for p in todo], seed, proc, lead)
     except Exception as exc:
         if len(todo) == 1:
             return [], [_failure(arm, todo[0], seed, exc)]
@@ -811,7 +822,7 @@ def _run_unit(
     failed: list[dict] = []
     for p in todo:
         try:
-            gens = runner.generate([p.text], seed, runner.processor(arm, p, chunk))
+            gens = runner.generate([p.text], seed, runner.processor(arm, p, chunk), runner.lead(arm, p))
         except Exception as exc:
             failed.append(_failure(arm, p, seed, exc))
             continue

@@ -63,7 +63,7 @@ from .arms import ArmRecorder
 from .backend import Backend, ResolvedGravity, RowStats, Sampling
 from .config import ServerConfig
 from .detok import ChoiceText
-from .gravity import GravityResolver, public_message
+from .gravity import GravityResolver, public_message, request_lead, with_lead
 from .limits import check_gravity, check_profile
 from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import PipelineRun, plan_request, request_passages
@@ -525,18 +525,23 @@ def create_app(
                 )
                 if run is not None:
                     prompts, gravity = [run.messages], run.gravity
-        encoded = [encode(p, chat=chat) for p in prompts]
-        for ids in encoded:
-            check_length(ids, params.max_tokens, param)
         if not (chat and (passages or req.gravity is not None)):
             gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed))
+        lead = await asyncio.to_thread(request_lead, gravity, chat=chat)
+        encoded = [encode(p, chat=chat) for p in prompts]
+        plain = encoded  # without the topic sentence: what a shadow (plain decoding) reads
+        if lead is not None:
+            encoded = [encode(with_lead(p, lead, chat=chat), chat=chat) for p in prompts]
+        for ids in encoded:
+            check_length(ids, params.max_tokens, param)
         if fmt is not None:  # the engine compiles the schema now: a bad one is this request's 400, not a batch's
             await asyncio.to_thread(check_response_format, fmt, backend)
         job = Job()
-        for ids in encoded:
+        for ids, plain_ids in zip(encoded, plain, strict=True):
             for _ in range(params.n):
                 job.add(
                     prompt_ids=ids,
+                    plain_prompt_ids=plain_ids,
                     max_tokens=params.max_tokens,
                     sampling=Sampling(params.temperature, params.top_p, params.top_k, (seed + len(job.rows)) % 2**63),
                     gravity=gravity,
@@ -554,6 +559,7 @@ def create_app(
             gravity=gravity,
             prompt_tokens=prompt_tokens,
             pipeline=run,
+            lead=lead,
         )
         label = gravity.label if gravity is not None else "none"
         endpoint = "chat" if chat else "completions"
@@ -760,8 +766,10 @@ class _Context:
         gravity: ResolvedGravity | None,
         prompt_tokens: int,
         pipeline: PipelineRun | None = None,
+        lead: str | None = None,
     ) -> None:
         self.chat = chat
+        self.lead = lead
         self.id = id
         self.created = created
         self.model = model
@@ -780,6 +788,8 @@ class _Context:
         if self.gravity is None:
             return None
         out = self.gravity.describe()
+        if self.lead is not None:
+            out["lead"] = self.lead
         if reader is not None:
             out.update(reader.gravity_stats())
         return out

@@ -58,21 +58,23 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..errors import ProfileError, StoreError
+from ..errors import NarrativeGravityError, ProfileError, StoreError
+from ..lead import lead_messages, lead_sentence, lead_text
 from ..profile import Profile
 from ..rollout import SHADOW, route
 from ..store import ProfileStore, StoreDamagedError
 from .backend import MEASURE_ONLY_SUFFIX, ResolvedGravity
 from .protocol import APIError
 
-__all__ = ["GravityResolver", "measuring_profile", "public_message"]
+__all__ = ["GravityResolver", "measuring_profile", "public_message", "request_lead", "with_lead"]
 
 _REFERENCE_KEYS = {"profile", "version", "measure_only"}
 
 
 def measuring_profile(profile: Profile) -> Profile:
     """``profile`` with no pull: λ is 0 at every step, nothing is pruned, and stages give way to the base field
-    (what ``measure_only`` measures against in :func:`~narrative_gravity.steer.processor_from_profile`)."""
+    (what ``measure_only`` measures against in :func:`~narrative_gravity.steer.processor_from_profile`), and no
+    topic sentence: plain decoding reads the prompt as it came."""
     return profile.model_copy(
         update={
             "gravity_strength": 0.0,
@@ -80,8 +82,39 @@ def measuring_profile(profile: Profile) -> Profile:
             "decay_after_steps": None,
             "prune_threshold": None,
             "stages": None,
+            "lead": None,
         }
     )
+
+
+def request_lead(gravity: ResolvedGravity | None, *, chat: bool) -> str | None:
+    """The topic sentence a request's rows read first (its profile's ``lead``), or ``None``.
+
+    >>> request_lead(None, chat=True) is None
+    True
+    """
+    if gravity is None or gravity.profile.lead is None:
+        return None
+    try:
+        return lead_sentence(gravity.profile, raw=not chat)
+    except NarrativeGravityError as exc:  # the words' encoder is missing, say
+        raise APIError(400, f"the profile's `lead` cannot be written: {exc}", param="gravity") from None
+
+
+def with_lead(prompt: Any, lead: str | None, *, chat: bool) -> Any:
+    """A request's prompt with its topic sentence: a system message for chat messages, text before a text
+    prompt; a prompt of token ids is sent as it came (the sentence is text).
+
+    >>> with_lead("The road", "The following is about cars.", chat=False)
+    'The following is about cars. The road'
+    >>> with_lead([5, 6], "The following is about cars.", chat=False)
+    [5, 6]
+    """
+    if lead is None:
+        return prompt
+    if chat:
+        return lead_messages(prompt, lead)
+    return lead_text(prompt, lead) if isinstance(prompt, str) else prompt
 
 
 log = logging.getLogger("narrative_gravity.server")

@@ -80,6 +80,8 @@ class Row:
     background: bool = False  # a shadow row: idle time only (see the module doc)
     preempted: bool = False  # a background row cancelled to make room for others
     response_format: Any = None  # a structured.ResponseFormat: the reply must be JSON matching its schema
+    plain_prompt_ids: list[int] | None = None
+    """The prompt without the profile's topic sentence (``lead``), where it has one: what a shadow reads."""
 
 
 class Job:

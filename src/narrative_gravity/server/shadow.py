@@ -1,7 +1,8 @@
 """What happens after a request of a stored profile is answered: its arm is recorded, and, when the rollout drew a
 shadow for it, the same request runs again without gravity, in the background.
 
-The shadow has the request's prompt ids and sampling settings (seed included), and the ``measure_only`` profile of
+The shadow has the request's prompt ids (without the profile's topic sentence, ``lead``: plain decoding reads the
+prompt as it came) and sampling settings (seed included), and the ``measure_only`` profile of
 the version that answered it (:meth:`~narrative_gravity.server.gravity.GravityResolver.shadow_of`), so its narrative
 mass, entropy and off-topic rate are measured against the same field while nothing pulls. Its text is never sent.
 
@@ -202,9 +203,8 @@ class FollowUps:
         for row, cap in caps:
             same = {"response_format": row.response_format} if getattr(row, "response_format", None) else {}
             trace = isinstance(self.scheduler, ContinuousScheduler)  # see wants_means
-            sjob.add(
-                prompt_ids=row.prompt_ids, max_tokens=cap, sampling=row.sampling, gravity=shadow, trace=trace, **same
-            )
+            ids = row.plain_prompt_ids if getattr(row, "plain_prompt_ids", None) is not None else row.prompt_ids
+            sjob.add(prompt_ids=ids, max_tokens=cap, sampling=row.sampling, gravity=shadow, trace=trace, **same)
         if not self._room(len(caps)):  # checked again: the build above may have taken a while
             self.metrics.shadow_skip(name, "load")
             return False

@@ -1,0 +1,119 @@
+"""The topic sentence: a line the model reads before the prompt and the output never shows.
+
+A pull of ``e^{λ·a}`` cannot lift a word the model gives a hundredth of the probability of another: after a
+neutral prefix ("The relationship"), an instruct model writes abstract prose, and animal or clothing words
+stay out of reach. A profile's ``lead`` lets the model read the topic first. In plain continuation the
+sentence goes before the prompt's text; in chat it is a system message (joined to the conversation's own
+system message, if it has one). The response, the trace and every score see only the user's prompt and what
+the model wrote.
+
+>>> join_words(["antelope", "camel", "human"])
+'antelope, camel and human'
+>>> lead_text("The relationship", "The following is about camels.")
+'The following is about camels. The relationship'
+>>> lead_messages([{"role": "user", "content": "hi"}], "Write about camels.")
+[{'role': 'system', 'content': 'Write about camels.'}, {'role': 'user', 'content': 'hi'}]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from .text import has_unspaced_script
+
+if TYPE_CHECKING:
+    from .profile import Profile
+
+__all__ = [
+    "CHAT_LEAD",
+    "RAW_LEAD",
+    "central_words",
+    "join_words",
+    "lead_messages",
+    "lead_sentence",
+    "lead_text",
+]
+
+RAW_LEAD = "The following is about {words}."
+CHAT_LEAD = "Write about {words}."
+
+
+def join_words(words: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``; words of scripts without spaces are joined with ``、``.
+
+    >>> join_words(["orbit"]), join_words(["orbit", "planet"]), join_words(["二分", "查找"])
+    ('orbit', 'orbit and planet', '二分、查找')
+    """
+    words = list(words)
+    if any(has_unspaced_script(w) for w in words):
+        return "、".join(words)
+    if len(words) <= 2:
+        return " and ".join(words)
+    return ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def central_words(words: Sequence[str], k: int) -> list[str]:
+    """The ``k`` words nearest the MiniLM centroid of all ``words``, most central first.
+
+    A profile's words in any order give the same choice; ties keep the profile's order. Words of scripts
+    without spaces, which MiniLM does not read, and lists of at most ``k`` words keep the profile's order.
+    """
+    words = list(dict.fromkeys(words))
+    if len(words) <= k or any(has_unspaced_script(w) for w in words):
+        return words[:k]
+    return list(_central(tuple(sorted(words)), k, tuple(words)))
+
+
+@lru_cache(maxsize=1024)
+def _central(key: tuple[str, ...], k: int, words: tuple[str, ...]) -> tuple[str, ...]:
+    import torch
+
+    from .embeddings import encode
+
+    vectors = encode(list(key))
+    centre = torch.nn.functional.normalize(vectors.mean(0), dim=0)
+    score = {w: float(s) for w, s in zip(key, (vectors @ centre).tolist(), strict=True)}
+    ranked = sorted(words, key=lambda w: -score[w])  # stable: ties keep the profile's order
+    return tuple(ranked[:k])
+
+
+def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
+    """The profile's topic sentence for plain continuation (``raw``) or chat, or ``None`` without ``lead``.
+
+    >>> from narrative_gravity.profile import Profile
+    >>> lead_sentence(Profile(core_semantics=["orbit", "planet"], lead={}), raw=True)
+    'The following is about orbit and planet.'
+    >>> lead_sentence(Profile(core_semantics=["orbit"], lead={"text": "Now: {words}!"}), raw=False)
+    'Now: orbit!'
+    >>> lead_sentence(Profile(core_semantics=["orbit"]), raw=True) is None
+    True
+    """
+    if profile is None or profile.lead is None:
+        return None
+    lead = profile.lead
+    words = profile.core_semantics
+    chosen = central_words(words, lead.words) if lead.pick == "central" else list(words[: lead.words])
+    template = lead.text if lead.text is not None else (RAW_LEAD if raw else CHAT_LEAD)
+    return template.replace("{words}", join_words(chosen))
+
+
+def lead_text(prompt: str, sentence: str | None) -> str:
+    """``prompt`` for plain continuation with ``sentence`` before it (a space between, unless ``prompt`` starts
+    with white space); ``prompt`` itself without one."""
+    if not sentence:
+        return prompt
+    return sentence + prompt if prompt[:1].isspace() else f"{sentence} {prompt}"
+
+
+def lead_messages(messages: list[dict[str, str]], sentence: str | None) -> list[dict[str, str]]:
+    """Chat ``messages`` with ``sentence`` as the system message, or before the first system message's text;
+    a new list (the caller's is untouched), or ``messages`` itself without a sentence."""
+    if not sentence:
+        return messages
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{sentence}\n\n{first.get('content', '')}".rstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": sentence}, *messages]

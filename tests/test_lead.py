@@ -1,0 +1,167 @@
+"""The topic sentence (`lead`): the profile key, the words it names, the prompts it changes on every path (the
+library, the eval harness, the HTTP server), and the paths it must leave alone (control, measure_only, shadows)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from narrative_gravity.errors import ProfileError
+from narrative_gravity.generation import SamplingOptions, encode_prompts, generate, sample_ids
+from narrative_gravity.lead import central_words, join_words, lead_messages, lead_sentence, lead_text
+from narrative_gravity.profile import Profile
+
+SPACE = ["planet", "orbit", "galaxy", "telescope", "astronaut", "banana"]
+
+
+def test_the_profile_key_takes_defaults_and_refuses_what_cannot_work() -> None:
+    p = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})
+    assert p.lead is not None and (p.lead.text, p.lead.words, p.lead.pick) == (None, 3, "central")
+    assert Profile.from_mapping(p.model_dump(exclude_none=True)) == p  # dumps and reloads to itself
+    for bad, says in [
+        ({"text": "   "}, "lead.text is blank"),
+        ({"words": 0}, "lead.words"),
+        ({"pick": "random"}, "lead.pick"),
+        ({"sentence": "x"}, "sentence"),
+    ]:
+        with pytest.raises(ProfileError, match=says):
+            Profile.from_mapping({"core_semantics": ["orbit"], "lead": bad})
+
+
+def test_central_words_are_the_topic_not_the_odd_one_out_and_ignore_the_order() -> None:
+    chosen = central_words(SPACE, 3)
+    assert len(chosen) == 3 and "banana" not in chosen
+    assert central_words(list(reversed(SPACE)), 3) == chosen
+    assert central_words(["orbit", "planet"], 3) == ["orbit", "planet"]  # no more words than asked for
+    assert central_words(["二分", "查找", "算法", "数组"], 2) == ["二分", "查找"]  # MiniLM does not read these
+
+
+def test_the_sentence_names_the_chosen_words_in_either_mode() -> None:
+    p = Profile(core_semantics=SPACE, lead={"pick": "first", "words": 2})
+    assert lead_sentence(p, raw=True) == "The following is about planet and orbit."
+    assert lead_sentence(p, raw=False) == "Write about planet and orbit."
+    custom = Profile(core_semantics=SPACE, lead={"text": "Topic: {words}. {words}!", "words": 1, "pick": "first"})
+    assert lead_sentence(custom, raw=True) == "Topic: planet. planet!"
+    assert join_words(["a", "b", "c", "d"]) == "a, b, c and d"
+    assert lead_text(" rest", "Lead.") == "Lead. rest"  # no doubled space
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    led = lead_messages(system, "Write about planets.")
+    assert led[0] == {"role": "system", "content": "Write about planets.\n\nBe brief."} and led[1:] == system[1:]
+    assert system[0]["content"] == "Be brief."  # the caller's messages are untouched
+
+
+def test_encoded_prompts_carry_the_sentence_per_prompt(tiny_model) -> None:
+    from servers import with_chat_template
+
+    _, tok = tiny_model
+    prompts = ["The planet", "The crew"]
+    raw = encode_prompts(tok, prompts, raw=True, lead=["The orbit.", None])
+    assert raw == [tok("The orbit. The planet")["input_ids"], tok("The crew")["input_ids"]]
+    chat_tok = with_chat_template(tok)
+    (ids,) = encode_prompts(chat_tok, ["The planet"], raw=False, lead="Write about orbits.")
+    assert chat_tok.decode(ids) == "system: Write about orbits.\nuser: The planet\nassistant:"
+    with pytest.raises(ValueError, match="1 leads for 2 prompts"):
+        encode_prompts(tok, prompts, raw=True, lead=["x"])
+
+
+def test_generate_reads_the_sentence_and_returns_only_the_continuation(tiny_model) -> None:
+    model, tok = tiny_model
+    opts = SamplingOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=3)
+    sentence = "They said orbit again."
+    (res,) = generate(model, tok, ["The crew"], options=opts, raw=True, lead=sentence)
+    (same,) = sample_ids(model, tok, [tok(f"{sentence} The crew")["input_ids"]], opts)
+    assert res.token_ids == same and res.prompt == "The crew"
+    (plain,) = generate(model, tok, ["The crew"], options=opts, raw=True)
+    assert plain.token_ids == sample_ids(model, tok, [tok("The crew")["input_ids"]], opts)[0]
+
+
+def test_an_eval_arm_with_a_lead_reads_it_and_control_does_not(tiny_model, tmp_path) -> None:
+    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval.store import ResultStore
+
+    model, tok = tiny_model
+    arm = tmp_path / "lead.yaml"  # the sentence alone: no pull, so its tokens are plain decoding's after the lead
+    arm.write_text(
+        "name: lead\ncore_semantics: [planet, orbit]\nschedule: constant\ngravity_strength: 0\n"
+        "lead: {text: 'They said {words} again.', pick: first}\n"
+    )
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The crew\nOur galaxy\n")
+    settings = EvalSettings(
+        prompts=str(prompts), profiles=(str(arm),), seeds=(0,), max_new_tokens=6, batch_size=2, raw=True,
+        judge="none", metrics=("distinct_2",),
+    )  # fmt: skip
+    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    rows = {(r["profile"], r["prompt"]): r for r in ResultStore(tmp_path / "run" / "results.jsonl").load()}
+    opts = SamplingOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=0)
+    for text in ("The crew", "Our galaxy"):
+        led, control = rows[("lead", text)], rows[("control", text)]
+        assert led["lead"] == "They said planet and orbit again." and "lead" not in control
+        batch = encode_prompts(tok, ["The crew", "Our galaxy"], raw=True, lead=led["lead"])
+        expected = sample_ids(model, tok, batch, opts)[["The crew", "Our galaxy"].index(text)]
+        assert led["token_ids"] == expected
+        assert (
+            control["token_ids"]
+            == sample_ids(model, tok, encode_prompts(tok, ["The crew", "Our galaxy"], raw=True), opts)[
+                ["The crew", "Our galaxy"].index(text)
+            ]
+        )
+
+
+def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny_backend, tmp_path) -> None:
+    pytest.importorskip("fastapi")
+    from narrative_gravity.server import ServerConfig, create_app
+    from narrative_gravity.store import ProfileStore
+    from servers import RunningServer
+
+    store = ProfileStore(tmp_path / "store")
+    profile = {
+        "core_semantics": ["planet", "orbit"], "gravity_strength": 2.0, "schedule": "constant",
+        "lead": {"text": "They said {words} again.", "pick": "first"},
+    }  # fmt: skip
+    store.set("led", profile)
+    config = ServerConfig(batch_window_ms=5, max_tokens_limit=32, max_prompt_tokens=200)
+    running = RunningServer(create_app(tiny_backend, config=config, store=store))
+    try:
+        with running.http() as http:
+            body = {"model": "tiny", "prompt": "The crew", "max_tokens": 4, "seed": 1}
+            plain_tokens = len(tiny_backend.encode_text("The crew"))
+            led = http.post("/v1/completions", json={**body, "gravity": {"profile": "led"}}).json()
+            assert led["gravity"]["lead"] == "They said planet and orbit again."
+            assert led["usage"]["prompt_tokens"] == len(
+                tiny_backend.encode_text("They said planet and orbit again. The crew")
+            )
+            assert not led["choices"][0]["text"].startswith("They said")  # the sentence is read, not returned
+            measured = http.post(
+                "/v1/completions", json={**body, "gravity": {"profile": "led", "measure_only": True}}
+            ).json()
+            assert "lead" not in measured["gravity"] and measured["usage"]["prompt_tokens"] == plain_tokens
+            chat = http.post(
+                "/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "The crew"}], "max_tokens": 4,
+                      "gravity": {"profile": "led"}},
+            ).json()  # fmt: skip
+            assert chat["gravity"]["lead"] == "They said planet and orbit again."  # the profile's own text
+            as_system = lead_messages([{"role": "user", "content": "The crew"}], chat["gravity"]["lead"])
+            assert chat["usage"]["prompt_tokens"] == len(tiny_backend.encode_chat(as_system))
+            ids = http.post(
+                "/v1/completions", json={**body, "prompt": [5, 6, 7], "gravity": {"profile": "led"}}
+            ).json()  # token ids are sent as they came
+            assert ids["usage"]["prompt_tokens"] == 3
+
+            # a shadow is plain decoding: it reads the prompt without the sentence
+            http.put("/v1/profiles/led/rollout", json={"rollout": {"shadow": 1.0}}).raise_for_status()
+            resp = http.post("/v1/completions", json={**body, "gravity": {"profile": "led"}}).json()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                recs = store.arms_log("led").read()
+                shadow = [r for r in recs if r.get("of") == resp["id"]]
+                if shadow:
+                    break
+                time.sleep(0.05)
+            assert shadow and shadow[0]["prompt_tokens"] == plain_tokens
+            main = next(r for r in recs if r.get("request") == resp["id"])
+            assert main["prompt_tokens"] == resp["usage"]["prompt_tokens"] > plain_tokens
+    finally:
+        running.close()
