@@ -109,6 +109,36 @@ def test_an_eval_arm_with_a_lead_reads_it_and_control_does_not(tiny_model, tmp_p
         )
 
 
+def test_the_sentence_can_name_the_required_words_per_prompt(tiny_model, tmp_path) -> None:
+    with pytest.raises(ProfileError, match=r"names \{required\}, but the profile has no `require`"):
+        Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"text": "It mentions {required}."}})
+    both = Profile(core_semantics=["orbit"], require=["comet", "moon"], lead={"text": "{words}: {required}."})
+    assert lead_sentence(both, raw=True) == "orbit: comet and moon."
+
+    import json
+
+    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval.store import ResultStore
+
+    model, tok = tiny_model
+    arm = tmp_path / "lead.yaml"  # each prompt's own required words replace the template's, in the sentence too
+    arm.write_text("name: lead\ncore_semantics: [x]\nrequire: {words: [x]}\nlead: {text: 'It mentions {required}.'}\n")
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "The crew", "topic": ["planet"], "heldout": ["star"], "require": ["comet", "moon"]},
+        {"prompt": "Our galaxy", "topic": ["planet"], "heldout": ["star"], "require": ["orbit"]},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = EvalSettings(
+        prompts=str(prompts), profiles=(f"auto:{arm}",), seeds=(0,), max_new_tokens=8, batch_size=2, raw=True,
+        judge="none", metrics=("required_inclusion",),
+    )  # fmt: skip
+    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    led = {r["prompt"]: r for r in ResultStore(tmp_path / "run" / "results.jsonl").load() if r["profile"] == "lead"}
+    assert led["The crew"]["lead"] == "It mentions comet and moon."
+    assert led["Our galaxy"]["lead"] == "It mentions orbit."
+
+
 def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny_backend, tmp_path) -> None:
     pytest.importorskip("fastapi")
     from narrative_gravity.server import ServerConfig, create_app

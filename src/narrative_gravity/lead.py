@@ -87,16 +87,23 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     'The following is about orbit and planet.'
     >>> lead_sentence(Profile(core_semantics=["orbit"], lead={"text": "Now: {words}!"}), raw=False)
     'Now: orbit!'
+    >>> lead_sentence(Profile(core_semantics=["orbit"], require=["comet", "moon"],
+    ...                       lead={"text": "It mentions {required}."}), raw=True)
+    'It mentions comet and moon.'
     >>> lead_sentence(Profile(core_semantics=["orbit"]), raw=True) is None
     True
     """
     if profile is None or profile.lead is None:
         return None
     lead = profile.lead
-    words = profile.core_semantics
-    chosen = central_words(words, lead.words) if lead.pick == "central" else list(words[: lead.words])
     template = lead.text if lead.text is not None else (RAW_LEAD if raw else CHAT_LEAD)
-    return template.replace("{words}", join_words(chosen))
+    if "{words}" in template:
+        words = profile.core_semantics
+        chosen = central_words(words, lead.words) if lead.pick == "central" else list(words[: lead.words])
+        template = template.replace("{words}", join_words(chosen))
+    if "{required}" in template and profile.require is not None:  # the schema refuses it without `require`
+        template = template.replace("{required}", join_words(profile.require.words))
+    return template
 
 
 def lead_text(prompt: str, sentence: str | None) -> str:

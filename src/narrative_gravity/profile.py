@@ -292,15 +292,16 @@ class Lead(_Strict):
 
     ``{words}`` in ``text`` becomes ``words`` of the profile's ``core_semantics``: with ``pick: central`` the
     ones nearest the MiniLM centroid of them all (in the profile's order for scripts without spaces, which
-    MiniLM does not read), with ``pick: first`` the first ones. ``lead: {}`` switches the defaults on.
+    MiniLM does not read), with ``pick: first`` the first ones. ``{required}`` becomes the words of the
+    profile's ``require`` (all of them, in their order). ``lead: {}`` switches the defaults on.
     """
 
     text: str | None = Field(
         None,
         min_length=1,
         max_length=1000,
-        description="the sentence, '{words}' standing for the chosen words; None = 'The following is about "
-        "{words}.' in plain continuation, 'Write about {words}.' in chat",
+        description="the sentence, '{words}' standing for the chosen words and '{required}' for the required "
+        "words; None = 'The following is about {words}.' in plain continuation, 'Write about {words}.' in chat",
     )
     words: int = Field(3, ge=1, le=16, description="how many core_semantics words '{words}' names")
     pick: Literal["central", "first"] = Field(
@@ -455,6 +456,15 @@ class Profile(_Strict):
             fill["semantic_source"] = "lm" if any(has_unspaced_script(w) for w in words) else "minilm"
         if fill:
             object.__setattr__(self, "field", self.field.model_copy(update=fill))
+        return self
+
+    @model_validator(mode="after")
+    def _lead_names_required(self) -> Profile:
+        if self.lead is not None and "{required}" in (self.lead.text or "") and self.require is None:
+            raise ValueError(
+                "lead.text names {required}, but the profile has no `require` words; add `require: [...]` "
+                "or take {required} out of the sentence"
+            )
         return self
 
     @model_validator(mode="after")
