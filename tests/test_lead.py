@@ -9,7 +9,14 @@ import pytest
 
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.generation import SamplingOptions, encode_prompts, generate, sample_ids
-from narrative_gravity.lead import central_words, join_words, lead_messages, lead_sentence, lead_text
+from narrative_gravity.lead import (
+    central_words,
+    join_words,
+    lead_messages,
+    lead_sentence,
+    lead_text,
+    reading_profile,
+)
 from narrative_gravity.profile import Profile
 
 SPACE = ["planet", "orbit", "galaxy", "telescope", "astronaut", "banana"]
@@ -27,6 +34,58 @@ def test_the_profile_key_takes_defaults_and_refuses_what_cannot_work() -> None:
     ]:
         with pytest.raises(ProfileError, match=says):
             Profile.from_mapping({"core_semantics": ["orbit"], "lead": bad})
+
+
+def test_the_topic_default_reads_one_word_and_can_be_switched_off() -> None:
+    p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})  # only words: the topic default
+    assert p.lead and (p.lead.words, p.lead.kl_budget) == (1, 0.05)
+    assert Profile.from_mapping({"core_semantics": ["orbit"], "lead": None}).lead == p.lead  # null: left out
+    off = Profile.from_mapping({"core_semantics": ["orbit"], "lead": False})
+    assert off.lead is False and lead_sentence(off, raw=True) is None
+    assert Profile.from_mapping(off.model_dump(mode="json")) == off  # `false` survives a store's round trip
+    assert Profile.from_mapping({"core_semantics": ["orbit"], "schedule": "constant"}).lead is None  # classic
+    assert Profile.from_mapping({"core_semantics": ["二分", "查找"]}).lead is None  # measured in English only
+    for bad, says in [(True, "write {} for the defaults, or false for none"), ("yes", "or false for none")]:
+        with pytest.raises(ProfileError, match=says):
+            Profile.from_mapping({"core_semantics": ["orbit"], "lead": bad})
+    with pytest.raises(ProfileError, match=r"lead\.kl_budget"):
+        Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"kl_budget": 0}})
+
+
+def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> None:
+    p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})
+    read = reading_profile(p)
+    assert p.thermostat.kl_budget is None and read.thermostat.kl_budget == 0.05 and read.lead == p.lead
+    assert reading_profile(read) is read  # once is enough
+    own = Profile.from_mapping({"core_semantics": ["orbit"], "thermostat": {"kl_budget": 0.2}})
+    assert reading_profile(own) is own  # the thermostat's own budget wins
+    assert reading_profile(Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})) is not None
+    assert reading_profile(Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})).thermostat.kl_budget is None
+
+
+def test_an_eval_arm_pulls_with_the_budget_while_it_reads_the_sentence(tiny_model, tmp_path) -> None:
+    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval.store import ResultStore
+
+    model, tok = tiny_model
+    arms = {}
+    for name, lead in [("read", "{words: 1, kl_budget: 0.01, pick: first}"), ("unread", "false")]:
+        arms[name] = tmp_path / f"{name}.yaml"
+        arms[name].write_text(
+            f"name: {name}\ncore_semantics: [the, and, of]\nfield: {{mode: lexical}}\n"
+            f"thermostat: {{max_strength: 8.0, converge_target: 0.9, strict_target: 0.9}}\nlead: {lead}\n"
+        )
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The crew\nA small moon moves\n")
+    settings = EvalSettings(
+        prompts=str(prompts), profiles=tuple(str(a) for a in arms.values()), seeds=(0,), max_new_tokens=10,
+        batch_size=2, raw=True, judge="none", metrics=("distinct_2",),
+    )  # fmt: skip
+    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").load()
+    kl = {a: max(k for r in rows if r["profile"] == a for k in r["trace"]["kl"]) for a in arms}
+    assert all(r["lead"] == "The following is about the." for r in rows if r["profile"] == "read")
+    assert kl["read"] <= 0.01 * 1.5 < kl["unread"]  # the lead's budget holds; without a lead, no budget
 
 
 def test_central_words_are_the_topic_not_the_odd_one_out_and_ignore_the_order() -> None:
@@ -195,3 +254,16 @@ def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny
             assert main["prompt_tokens"] == resp["usage"]["prompt_tokens"] > plain_tokens
     finally:
         running.close()
+
+
+def test_the_server_pulls_a_topic_default_as_read_and_measures_it_plain(tmp_path) -> None:
+    from narrative_gravity.server.gravity import GravityResolver
+    from narrative_gravity.store import ProfileStore
+
+    resolver = GravityResolver(ProfileStore(tmp_path / "store"))
+    served = resolver.resolve({"core_semantics": ["orbit", "planet"]})
+    assert served.profile.lead and served.profile.thermostat.kl_budget == 0.05  # text prompts read the sentence
+    measured = resolver.resolve({"core_semantics": ["orbit", "planet"], "measure_only": True})
+    assert measured.profile.lead is False and measured.profile.gravity_strength == 0.0
+    classic = resolver.resolve({"core_semantics": ["orbit"], "schedule": "constant"})
+    assert classic.profile.lead is None and classic.profile.thermostat.kl_budget is None

@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .generation import SamplingOptions, chat_ids, sample_ids
-from .lead import lead_messages, lead_sentence
+from .lead import lead_messages, lead_sentence, reading_profile
 from .pipeline import Prepared, parse_documents, prepare, split_documents, stage_report
 from .profile import Profile
 
@@ -88,7 +88,8 @@ def answer(
 
     prepared = prepare(msgs, passages, profile, tokenizer=tok, encoder=encoder, draft=draft)
     lead = lead_sentence(prepared.profile, raw=False)  # the profile's topic sentence, as a system message
-    ids = write([chat_ids(tok, lead_messages(prepared.messages, lead))], options, prepared.profile)[0]
+    pull = reading_profile(prepared.profile) if lead is not None else prepared.profile
+    ids = write([chat_ids(tok, lead_messages(prepared.messages, lead))], options, pull)[0]
     text = tok.decode(ids, skip_special_tokens=True)
     report = dict(prepared.report)
     if prepared.stages:

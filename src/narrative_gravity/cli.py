@@ -218,7 +218,7 @@ def generate(
 
     from .generation import SamplingOptions, check_engine, vllm_engine
     from .generation import generate as run
-    from .lead import lead_sentence
+    from .lead import lead_sentence, reading_profile
     from .steer import processor_from_profile
 
     _run_guarded(lambda: check_engine(engine))
@@ -229,6 +229,8 @@ def generate(
     prof = _load_profile(profile) if profile is not None else None
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
     lead = None if no_gravity else _run_guarded(lambda: lead_sentence(prof, raw=raw))
+    if lead is not None and prof is not None:
+        prof = reading_profile(prof)  # the pull while the sentence is read (its KL budget)
     batch: Any  # (prompts, advance) -> results, on the chosen engine
     if engine == "vllm":
         vllm_generate = _run_guarded(vllm_engine)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .generation import GenerationResult, SamplingOptions, encode_prompts, generate
-from .lead import lead_sentence
+from .lead import lead_sentence, reading_profile
 from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
 from .profile import Profile
 from .steer import field_from_profile, processor_from_profile
@@ -95,8 +95,9 @@ def compare_runs(
         for mode in ("control", "gravity"):
 
             def factory(budget: int, trace: Any, _mode: str = mode) -> Any:
+                pull = profile if _mode == "control" or lead is None else reading_profile(profile)
                 return processor_from_profile(
-                    profile, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control", model=model
+                    pull, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control", model=model
                 )
 
             (res,) = generate(

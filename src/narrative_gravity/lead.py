@@ -34,6 +34,7 @@ __all__ = [
     "lead_messages",
     "lead_sentence",
     "lead_text",
+    "reading_profile",
 ]
 
 RAW_LEAD = "The following is about {words}."
@@ -90,10 +91,12 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     >>> lead_sentence(Profile(core_semantics=["orbit"], require=["comet", "moon"],
     ...                       lead={"text": "It mentions {required}."}), raw=True)
     'It mentions comet and moon.'
-    >>> lead_sentence(Profile(core_semantics=["orbit"]), raw=True) is None
+    >>> lead_sentence(Profile(core_semantics=["orbit"]), raw=True)  # the topic default reads one
+    'The following is about orbit.'
+    >>> lead_sentence(Profile(core_semantics=["orbit"], lead=False), raw=True) is None
     True
     """
-    if profile is None or profile.lead is None:
+    if profile is None or not profile.lead:
         return None
     lead = profile.lead
     template = lead.text if lead.text is not None else (RAW_LEAD if raw else CHAT_LEAD)
@@ -104,6 +107,28 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     if "{required}" in template and profile.require is not None:  # the schema refuses it without `require`
         template = template.replace("{required}", join_words(profile.require.words))
     return template
+
+
+def reading_profile(profile: Profile) -> Profile:
+    """The profile to pull with while its topic sentence is read: the thermostat's ``kl_budget`` is the lead's
+    (``lead.kl_budget``) where the profile sets no budget of its own; ``profile`` itself otherwise.
+
+    Every path that puts the sentence before the prompt (``ngrav generate``, ``compare``, ``eval``, the server,
+    :func:`narrative_gravity.generation.generate` with ``lead``) pulls with this profile; a path that cannot
+    (a processor in a ``generate`` call of your own) pulls with the profile as it is.
+
+    >>> from narrative_gravity.profile import Profile
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05}
+    >>> p.thermostat.kl_budget, reading_profile(p).thermostat.kl_budget
+    (None, 0.05)
+    >>> reading_profile(Profile(core_semantics=["orbit"], lead=False)).thermostat.kl_budget is None
+    True
+    """
+    lead = profile.lead
+    if not lead or lead.kl_budget is None or profile.thermostat.kl_budget is not None:
+        return profile
+    thermostat = profile.thermostat.model_copy(update={"kl_budget": lead.kl_budget})
+    return profile.model_copy(update={"thermostat": thermostat})
 
 
 def lead_text(prompt: str, sentence: str | None) -> str:

@@ -73,12 +73,17 @@ TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
+    "lead": {"words": 1, "kl_budget": 0.05},
 }
 
 
 # λ_max per unit of gravity_strength when `thermostat.max_strength` is left out: the topic default's 4.25 at
 # the default strength 1.5.
 THERMOSTAT_MAX_PER_STRENGTH = 4.25 / 1.5
+
+
+# Keys whose `false` means "off" where leaving them out gives a default (the topic default's `lead`).
+_OFF_BY_FALSE = frozenset({"lead"})
 
 
 class _Strict(BaseModel):
@@ -89,6 +94,10 @@ class _Strict(BaseModel):
     def _no_booleans(cls, v: Any, info: ValidationInfo) -> Any:
         # Lax validation reads `true` as 1 and "2" as 2; a boolean belongs only to a key that takes one
         # (`require.force`), and a number in quotes is a slip too (a JSON or YAML profile writes numbers as numbers).
+        if isinstance(v, bool) and info.field_name in _OFF_BY_FALSE:  # `lead: false` is off; `true` is no setting
+            if v:
+                raise ValueError("true is not a setting here; write {} for the defaults, or false for none")
+            return v
         if isinstance(v, bool) and cls.model_fields[info.field_name].annotation is not bool:
             raise ValueError(f"{str(v).lower()} is a boolean, but this key does not take one; write a number")
         if isinstance(v, str) and info.field_name in _NUMERIC.get(cls.__name__, ()):
@@ -294,6 +303,11 @@ class Lead(_Strict):
     ones nearest the MiniLM centroid of them all (in the profile's order for scripts without spaces, which
     MiniLM does not read), with ``pick: first`` the first ones. ``{required}`` becomes the words of the
     profile's ``require`` (all of them, in their order). ``lead: {}`` switches the defaults on.
+
+    ``kl_budget``: while the sentence is read, the thermostat's pull stops at this many nats a step (the model
+    already leans toward the topic, so a capped pull costs more there). Where nothing reads the sentence (a
+    logits processor in a ``generate`` call of your own, a vLLM request with the profile in its
+    ``extra_args``), the profile pulls as if it had no ``lead``.
     """
 
     text: str | None = Field(
@@ -306,6 +320,13 @@ class Lead(_Strict):
     words: int = Field(3, ge=1, le=16, description="how many core_semantics words '{words}' names")
     pick: Literal["central", "first"] = Field(
         "central", description="central: the words nearest their own MiniLM centroid; first: the profile's order"
+    )
+    kl_budget: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="while the sentence is read, the thermostat's pull stops at this KL (nats a step); None = "
+        "the thermostat's own kl_budget",
     )
 
     @field_validator("text")
@@ -416,8 +437,10 @@ class Profile(_Strict):
         None, description="remember the topic of a conversation's earlier turns ({} for the defaults)"
     )
     plan: PlanLevel | None = Field(None, description="draft outlines and write stage by stage ({} for the defaults)")
-    lead: Lead | None = Field(
-        None, description="a topic sentence read before the prompt, never shown in the output ({} for the defaults)"
+    lead: Lead | Literal[False] | None = Field(
+        None,
+        description="a topic sentence read before the prompt, never shown in the output ({} for the defaults); "
+        "left out, a thermostat profile gets the topic default's (one word, KL budget 0.05); false = none",
     )
 
     @field_validator("require", mode="before")
@@ -456,11 +479,14 @@ class Profile(_Strict):
             fill["semantic_source"] = "lm" if any(has_unspaced_script(w) for w in words) else "minilm"
         if fill:
             object.__setattr__(self, "field", self.field.model_copy(update=fill))
+        if self.lead is None and topic and not any(has_unspaced_script(w) for w in self.core_semantics):
+            # the topic default reads a topic sentence (measured in English only: none for other scripts)
+            object.__setattr__(self, "lead", Lead(**TOPIC_DEFAULTS["lead"]))
         return self
 
     @model_validator(mode="after")
     def _lead_names_required(self) -> Profile:
-        if self.lead is not None and "{required}" in (self.lead.text or "") and self.require is None:
+        if self.lead and "{required}" in (self.lead.text or "") and self.require is None:
             raise ValueError(
                 "lead.text names {required}, but the profile has no `require` words; add `require: [...]` "
                 "or take {required} out of the sentence"
@@ -558,13 +584,18 @@ _FIXES = {
 }
 
 
+def _is_literal(a: Any) -> bool:
+    return getattr(a, "__origin__", None) is Literal
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     cur: Any = model
     for part in loc[:-1]:
         info = cur.model_fields.get(part) if isinstance(part, str) else None
         if info is None:
             return []
-        inner = [a for a in (getattr(info.annotation, "__args__", ()) or (info.annotation,)) if a is not type(None)]
+        args = getattr(info.annotation, "__args__", ()) or (info.annotation,)
+        inner = [a for a in args if a is not type(None) and not _is_literal(a)]  # `Lead | Literal[False] | None`
         if len(inner) != 1 or not isinstance(inner[0], type) or not issubclass(inner[0], BaseModel):
             return []
         cur = inner[0]
@@ -574,7 +605,18 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     out = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
+        if "literal[False]" in err["loc"]:  # `lead: false`: the other branch (the mapping) tells what is wrong
+            continue
+        loc = tuple(p for p in err["loc"] if p != "Lead")  # the mapping branch of `lead`
+        if loc == ("lead",) and err["type"] == "model_type":
+            out.append(
+                (
+                    "lead",
+                    f"`lead` (got {err.get('input')!r}): write {{}} for the defaults, a mapping of its "
+                    "settings, or false for none",
+                )
+            )
+            continue
         key = ".".join(str(p) for p in loc)
         shown = key or "(root)"
         if err["type"] == "extra_forbidden":

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..errors import ConfigurationError
 from ..generation import GenerationResult, SamplingOptions, encode_prompts
 from ..gravity.thermo import METRICS
-from ..lead import lead_sentence
+from ..lead import lead_sentence, reading_profile
 from ..models import hf_folder
 from ..profile import Profile
 from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
@@ -247,7 +247,10 @@ class VLLMGenerator:
         encoding (chat template, or plain text with ``raw``), the same result fields, ``profile`` on every
         request (``None``: plain decoding, and no trace), and its topic sentence (``lead``) before every prompt.
         ``seconds`` is each prompt's share of the call."""
-        encoded = encode_prompts(self.tokenizer, prompts, raw=raw, lead=lead_sentence(profile, raw=raw))
+        lead = lead_sentence(profile, raw=raw)
+        encoded = encode_prompts(self.tokenizer, prompts, raw=raw, lead=lead)
+        if lead is not None and profile is not None:
+            profile = reading_profile(profile)  # the pull while the sentence is read (its KL budget)
         t0 = time.perf_counter()
         outs = self.generate(encoded, options, profile, record_trace=record_trace, on_finish=progress)
         elapsed = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError, NarrativeGravityError
 from ..generation import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
 from ..gravity.thermo import Trace
-from ..lead import lead_sentence
+from ..lead import lead_sentence, reading_profile
 from ..profile import TOPIC_DEFAULTS, Profile
 from ..steer import field_from_profile, program_from_profile
 from .judge import DEFAULT_JUDGE
@@ -468,7 +468,7 @@ class _Runner:
             return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
         if arm != CONTROL:
             return processor_from_profile(
-                self.plan.profile_for(arm, prompt),
+                reading_profile(self.plan.profile_for(arm, prompt)),  # an arm reads its sentence (see lead())
                 self.tok,
                 max_new_tokens=self.s.max_new_tokens,
                 trace=Trace(),
@@ -607,7 +607,7 @@ class _VLLMRunner(_Runner):
             return None
         if self.plan.arms[arm].baseline is not None:  # check_engine_arms refuses these before the run
             raise ConfigurationError(f"arm `{arm}` is a Python logits processor; run it with --engine hf")
-        profile = self.plan.profile_for(arm, prompt)
+        profile = reading_profile(self.plan.profile_for(arm, prompt))  # an arm reads its sentence (see lead())
         # Build its program here, as the engine will: a profile that does not fit the tokenizer fails this
         # batch now, where the engine would run the request without gravity and only log why.
         program_from_profile(profile, self.tok, model=self._model_for(profile))

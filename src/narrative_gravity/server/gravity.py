@@ -59,7 +59,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import NarrativeGravityError, ProfileError, StoreError
-from ..lead import lead_messages, lead_sentence, lead_text
+from ..lead import lead_messages, lead_sentence, lead_text, reading_profile
 from ..profile import Profile
 from ..rollout import SHADOW, route
 from ..store import ProfileStore, StoreDamagedError
@@ -82,7 +82,7 @@ def measuring_profile(profile: Profile) -> Profile:
             "decay_after_steps": None,
             "prune_threshold": None,
             "stages": None,
-            "lead": None,
+            "lead": False,
         }
     )
 
@@ -93,7 +93,7 @@ def request_lead(gravity: ResolvedGravity | None, *, chat: bool) -> str | None:
     >>> request_lead(None, chat=True) is None
     True
     """
-    if gravity is None or gravity.profile.lead is None:
+    if gravity is None or not gravity.profile.lead:
         return None
     try:
         return lead_sentence(gravity.profile, raw=not chat)
@@ -165,8 +165,9 @@ class GravityResolver:
             except ProfileError as exc:
                 raise APIError(400, str(exc), param="gravity", code="invalid_profile") from None
             resolved = ResolvedGravity(profile=profile, label="inline", key=_key(profile))
-        if not measure_only:
-            return resolved
+        if not measure_only:  # text prompts read the profile's sentence (app.run_request), so it pulls as read
+            reading = reading_profile(resolved.profile)
+            return resolved if reading is resolved.profile else replace(resolved, profile=reading, key=_key(reading))
         profile = measuring_profile(resolved.profile)
         label = resolved.label + MEASURE_ONLY_SUFFIX
         return replace(resolved, profile=profile, key=_key(profile), label=label, measure_only=True, shadow=False)
