@@ -103,6 +103,8 @@ def test_the_sentence_names_the_chosen_words_in_either_mode() -> None:
     custom = Profile(core_semantics=SPACE, lead={"text": "Topic: {words}. {words}!", "words": 1, "pick": "first"})
     assert lead_sentence(custom, raw=True) == "Topic: planet. planet!"
     assert join_words(["a", "b", "c", "d"]) == "a, b, c and d"
+    compound = Profile(core_semantics=["binary_search", "array"], lead={"pick": "first", "words": 1})
+    assert lead_sentence(compound, raw=False) == "Write about binary search."  # as Profile.keywords() reads it
     assert lead_text(" rest", "Lead.") == "Lead. rest"  # no doubled space
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     led = lead_messages(system, "Write about planets.")

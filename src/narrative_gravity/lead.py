@@ -103,7 +103,7 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     if "{words}" in template:
         words = profile.core_semantics
         chosen = central_words(words, lead.words) if lead.pick == "central" else list(words[: lead.words])
-        template = template.replace("{words}", join_words(chosen))
+        template = template.replace("{words}", join_words([w.replace("_", " ") for w in chosen]))  # binary search
     if "{required}" in template and profile.require is not None:  # the schema refuses it without `require`
         template = template.replace("{required}", join_words(profile.require.words))
     return template
