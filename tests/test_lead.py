@@ -38,7 +38,8 @@ def test_the_profile_key_takes_defaults_and_refuses_what_cannot_work() -> None:
 
 def test_the_topic_default_reads_one_word_and_can_be_switched_off() -> None:
     p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})  # only words: the topic default
-    assert p.lead and (p.lead.words, p.lead.kl_budget) == (1, 0.05)
+    assert p.lead and (p.lead.words, p.lead.kl_budget, p.lead.chat) == (1, 0.05, False)
+    assert lead_sentence(p, raw=False) is None  # measured in plain continuation; chat reads none by default
     assert Profile.from_mapping({"core_semantics": ["orbit"], "lead": None}).lead == p.lead  # null: left out
     off = Profile.from_mapping({"core_semantics": ["orbit"], "lead": False})
     assert off.lead is False and lead_sentence(off, raw=True) is None
@@ -54,13 +55,16 @@ def test_the_topic_default_reads_one_word_and_can_be_switched_off() -> None:
 
 def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> None:
     p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})
-    read = reading_profile(p)
+    read = reading_profile(p, raw=True)
     assert p.thermostat.kl_budget is None and read.thermostat.kl_budget == 0.05 and read.lead == p.lead
-    assert reading_profile(read) is read  # once is enough
+    assert reading_profile(read, raw=True) is read  # once is enough
+    assert reading_profile(p, raw=False) is p  # the default reads no sentence in chat, so no budget there
+    in_chat = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"kl_budget": 0.1}})
+    assert reading_profile(in_chat, raw=False).thermostat.kl_budget == 0.1  # an explicit lead is read in chat
     own = Profile.from_mapping({"core_semantics": ["orbit"], "thermostat": {"kl_budget": 0.2}})
-    assert reading_profile(own) is own  # the thermostat's own budget wins
-    assert reading_profile(Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})) is not None
-    assert reading_profile(Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})).thermostat.kl_budget is None
+    assert reading_profile(own, raw=True) is own  # the thermostat's own budget wins
+    no_budget = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})
+    assert reading_profile(no_budget, raw=True).thermostat.kl_budget is None
 
 
 def test_an_eval_arm_pulls_with_the_budget_while_it_reads_the_sentence(tiny_model, tmp_path) -> None:
@@ -263,9 +267,11 @@ def test_the_server_pulls_a_topic_default_as_read_and_measures_it_plain(tmp_path
     from narrative_gravity.store import ProfileStore
 
     resolver = GravityResolver(ProfileStore(tmp_path / "store"))
-    served = resolver.resolve({"core_semantics": ["orbit", "planet"]})
+    served = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=False)
     assert served.profile.lead and served.profile.thermostat.kl_budget == 0.05  # text prompts read the sentence
-    measured = resolver.resolve({"core_semantics": ["orbit", "planet"], "measure_only": True})
+    chat = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=True)
+    assert chat.profile.thermostat.kl_budget is None  # the default reads none in chat: the pull as before
+    measured = resolver.resolve({"core_semantics": ["orbit", "planet"], "measure_only": True}, chat=False)
     assert measured.profile.lead is False and measured.profile.gravity_strength == 0.0
-    classic = resolver.resolve({"core_semantics": ["orbit"], "schedule": "constant"})
+    classic = resolver.resolve({"core_semantics": ["orbit"], "schedule": "constant"}, chat=False)
     assert classic.profile.lead is None and classic.profile.thermostat.kl_budget is None

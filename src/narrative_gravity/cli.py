@@ -230,7 +230,7 @@ def generate(
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
     lead = None if no_gravity else _run_guarded(lambda: lead_sentence(prof, raw=raw))
     if lead is not None and prof is not None:
-        prof = reading_profile(prof)  # the pull while the sentence is read (its KL budget)
+        prof = reading_profile(prof, raw=raw)  # the pull while the sentence is read (its KL budget)
     batch: Any  # (prompts, advance) -> results, on the chosen engine
     if engine == "vllm":
         vllm_generate = _run_guarded(vllm_engine)

@@ -95,7 +95,7 @@ def compare_runs(
         for mode in ("control", "gravity"):
 
             def factory(budget: int, trace: Any, _mode: str = mode) -> Any:
-                pull = profile if _mode == "control" or lead is None else reading_profile(profile)
+                pull = profile if _mode == "control" else reading_profile(profile, raw=raw)
                 return processor_from_profile(
                     pull, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control", model=model
                 )

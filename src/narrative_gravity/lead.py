@@ -35,6 +35,7 @@ __all__ = [
     "lead_sentence",
     "lead_text",
     "reading_profile",
+    "reads_lead",
 ]
 
 RAW_LEAD = "The following is about {words}."
@@ -96,7 +97,7 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     >>> lead_sentence(Profile(core_semantics=["orbit"], lead=False), raw=True) is None
     True
     """
-    if profile is None or not profile.lead:
+    if not reads_lead(profile, raw=raw):
         return None
     lead = profile.lead
     template = lead.text if lead.text is not None else (RAW_LEAD if raw else CHAT_LEAD)
@@ -109,23 +110,36 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     return template
 
 
-def reading_profile(profile: Profile) -> Profile:
-    """The profile to pull with while its topic sentence is read: the thermostat's ``kl_budget`` is the lead's
-    (``lead.kl_budget``) where the profile sets no budget of its own; ``profile`` itself otherwise.
+def reads_lead(profile: Profile | None, *, raw: bool) -> bool:
+    """Whether ``profile`` has a topic sentence for plain continuation (``raw``) or chat.
+
+    >>> from narrative_gravity.profile import Profile
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default: plain continuation only
+    >>> reads_lead(p, raw=True), reads_lead(p, raw=False), reads_lead(None, raw=True)
+    (True, False, False)
+    """
+    lead = profile.lead if profile is not None else None
+    return bool(lead) and (raw or lead.chat)  # type: ignore[union-attr]
+
+
+def reading_profile(profile: Profile, *, raw: bool) -> Profile:
+    """The profile to pull with where its topic sentence is read (plain continuation with ``raw``, else chat):
+    the thermostat's ``kl_budget`` is the lead's (``lead.kl_budget``) where the profile sets no budget of its
+    own; ``profile`` itself otherwise, and where no sentence is read in that mode.
 
     Every path that puts the sentence before the prompt (``ngrav generate``, ``compare``, ``eval``, the server,
     :func:`narrative_gravity.generation.generate` with ``lead``) pulls with this profile; a path that cannot
     (a processor in a ``generate`` call of your own) pulls with the profile as it is.
 
     >>> from narrative_gravity.profile import Profile
-    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05}
-    >>> p.thermostat.kl_budget, reading_profile(p).thermostat.kl_budget
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, chat: false}
+    >>> p.thermostat.kl_budget, reading_profile(p, raw=True).thermostat.kl_budget
     (None, 0.05)
-    >>> reading_profile(Profile(core_semantics=["orbit"], lead=False)).thermostat.kl_budget is None
+    >>> reading_profile(p, raw=False) is p  # no sentence in chat: the pull as without one
     True
     """
     lead = profile.lead
-    if not lead or lead.kl_budget is None or profile.thermostat.kl_budget is not None:
+    if not reads_lead(profile, raw=raw) or lead.kl_budget is None or profile.thermostat.kl_budget is not None:  # type: ignore[union-attr]
         return profile
     thermostat = profile.thermostat.model_copy(update={"kl_budget": lead.kl_budget})
     return profile.model_copy(update={"thermostat": thermostat})

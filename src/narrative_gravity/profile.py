@@ -73,7 +73,7 @@ TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
-    "lead": {"words": 1, "kl_budget": 0.05},
+    "lead": {"words": 1, "kl_budget": 0.05, "chat": False},
 }
 
 
@@ -307,7 +307,8 @@ class Lead(_Strict):
     ``kl_budget``: while the sentence is read, the thermostat's pull stops at this many nats a step (the model
     already leans toward the topic, so a capped pull costs more there). Where nothing reads the sentence (a
     logits processor in a ``generate`` call of your own, a vLLM request with the profile in its
-    ``extra_args``), the profile pulls as if it had no ``lead``.
+    ``extra_args``), the profile pulls as if it had no ``lead``. ``chat: false`` reads it in plain continuation
+    only: in chat, the profile pulls as if it had no ``lead`` too.
     """
 
     text: str | None = Field(
@@ -328,6 +329,7 @@ class Lead(_Strict):
         description="while the sentence is read, the thermostat's pull stops at this KL (nats a step); None = "
         "the thermostat's own kl_budget",
     )
+    chat: bool = Field(True, description="also read in chat, as a system message (false: in plain continuation only)")
 
     @field_validator("text")
     @classmethod

@@ -468,7 +468,8 @@ class _Runner:
             return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
         if arm != CONTROL:
             return processor_from_profile(
-                reading_profile(self.plan.profile_for(arm, prompt)),  # an arm reads its sentence (see lead())
+                # an arm reads its sentence (see lead()), and pulls as it is read
+                reading_profile(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode),
                 self.tok,
                 max_new_tokens=self.s.max_new_tokens,
                 trace=Trace(),
@@ -607,7 +608,7 @@ class _VLLMRunner(_Runner):
             return None
         if self.plan.arms[arm].baseline is not None:  # check_engine_arms refuses these before the run
             raise ConfigurationError(f"arm `{arm}` is a Python logits processor; run it with --engine hf")
-        profile = reading_profile(self.plan.profile_for(arm, prompt))  # an arm reads its sentence (see lead())
+        profile = reading_profile(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)  # as read (see lead())
         # Build its program here, as the engine will: a profile that does not fit the tokenizer fails this
         # batch now, where the engine would run the request without gravity and only log why.
         program_from_profile(profile, self.tok, model=self._model_for(profile))

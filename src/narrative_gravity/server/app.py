@@ -433,7 +433,9 @@ def create_app(
 
     # --------------------------------------------------------------------------------------- generation
 
-    async def resolve_gravity(spec: Any, *, key: str | None = None, routed: bool = True) -> ResolvedGravity | None:
+    async def resolve_gravity(
+        spec: Any, *, key: str | None = None, routed: bool = True, chat: bool | None = None
+    ) -> ResolvedGravity | None:
         if spec is not None and not config.allow_inline_gravity and not (isinstance(spec, dict) and "profile" in spec):
             raise APIError(
                 403,
@@ -443,7 +445,7 @@ def create_app(
             )
 
         def work() -> ResolvedGravity | None:
-            gravity = resolver.resolve(spec, route_key=key, routed=routed)
+            gravity = resolver.resolve(spec, route_key=key, routed=routed, chat=chat)
             check_gravity(gravity, backend, config)  # everything the rows could fail on, before they are queued
             return gravity
 
@@ -519,14 +521,14 @@ def create_app(
             messages, passages = request_passages(prompts[0], req.documents)
             prompts = [messages]
             if passages or req.gravity is not None:
-                gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed))
+                gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed), chat=chat)
                 run = await plan_request(
                     messages, passages, gravity, backend=backend, scheduler=scheduler, config=config, seed=seed
                 )
                 if run is not None:
                     prompts, gravity = [run.messages], run.gravity
         if not (chat and (passages or req.gravity is not None)):
-            gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed))
+            gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed), chat=chat)
         lead = await asyncio.to_thread(request_lead, gravity, chat=chat)
         encoded = [encode(p, chat=chat) for p in prompts]
         plain = encoded  # without the topic sentence: what a shadow (plain decoding) reads

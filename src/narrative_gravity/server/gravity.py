@@ -134,11 +134,16 @@ class GravityResolver:
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def resolve(self, spec: Any, *, route_key: str | None = None, routed: bool = True) -> ResolvedGravity | None:
+    def resolve(
+        self, spec: Any, *, route_key: str | None = None, routed: bool = True, chat: bool | None = None
+    ) -> ResolvedGravity | None:
         """``None`` for no gravity; raises :class:`~narrative_gravity.server.protocol.APIError` for bad specs.
 
         ``route_key`` makes the arm of a named profile deterministic (see :func:`~narrative_gravity.rollout.route`);
-        ``routed=False`` ignores the rollout config (the live version, no shadow).
+        ``routed=False`` ignores the rollout config (the live version, no shadow). ``chat``: the request is a chat
+        (``True``) or a completion (``False``), whose rows read the profile's topic sentence (``lead``) where it
+        has one for that kind, and so pull as it is read (:func:`~narrative_gravity.lead.reading_profile`);
+        ``None``: the profile as it is.
         """
         if spec is None:
             return None
@@ -166,7 +171,7 @@ class GravityResolver:
                 raise APIError(400, str(exc), param="gravity", code="invalid_profile") from None
             resolved = ResolvedGravity(profile=profile, label="inline", key=_key(profile))
         if not measure_only:  # text prompts read the profile's sentence (app.run_request), so it pulls as read
-            reading = reading_profile(resolved.profile)
+            reading = resolved.profile if chat is None else reading_profile(resolved.profile, raw=not chat)
             return resolved if reading is resolved.profile else replace(resolved, profile=reading, key=_key(reading))
         profile = measuring_profile(resolved.profile)
         label = resolved.label + MEASURE_ONLY_SUFFIX
