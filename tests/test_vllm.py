@@ -581,7 +581,8 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
     running = RunningServer(create_app(backend, config=ServerConfig(batch_window_ms=200), store=store))
     try:
         greedy = {"model": "smollm2", "max_tokens": NEW_TOKENS, "temperature": 0}
-        gravity = [{"gravity": STRONG}, {"gravity": {"profile": "search"}}, {"gravity": SPACE}, None]
+        # SPACE without its topic sentence: the row must read the prompt the engine read alone
+        gravity = [{"gravity": STRONG}, {"gravity": {"profile": "search"}}, {"gravity": {**SPACE, "lead": False}}, None]
 
         async def all_rows() -> list[str]:
             client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
@@ -601,7 +602,8 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
             with pytest.raises(openai.BadRequestError, match="gravity_strenght"):
                 client.completions.create(prompt="x", extra_body={"gravity": {"gravity_strenght": 2}}, **greedy)
             topic = client.completions.create(prompt=PROMPTS[4], extra_body={"gravity": TOPIC}, **greedy)
-            assert topic.choices[0].text  # the topic default runs on this engine too
+            assert topic.choices[0].text  # the topic default runs on this engine too, its sentence read first
+            assert topic.model_extra["gravity"]["lead"].startswith("The following is about ")
             again = client.completions.create(prompt=PROMPTS[0], extra_body={"gravity": STRONG}, **greedy)
             assert again.choices[0].text == texts[0]
             assert again.model_extra["gravity"]["profile"] == "inline"
