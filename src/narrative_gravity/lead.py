@@ -119,7 +119,7 @@ def reads_lead(profile: Profile | None, *, raw: bool) -> bool:
     (True, False, False)
     """
     lead = profile.lead if profile is not None else None
-    return bool(lead) and (raw or lead.chat)  # type: ignore[union-attr]
+    return bool(lead and (raw or lead.chat))
 
 
 def reading_profile(profile: Profile, *, raw: bool) -> Profile:
@@ -139,7 +139,9 @@ def reading_profile(profile: Profile, *, raw: bool) -> Profile:
     True
     """
     lead = profile.lead
-    if not reads_lead(profile, raw=raw) or lead.kl_budget is None or profile.thermostat.kl_budget is not None:  # type: ignore[union-attr]
+    if not lead or not reads_lead(profile, raw=raw) or lead.kl_budget is None:
+        return profile
+    if profile.thermostat.kl_budget is not None:  # the thermostat's own budget wins
         return profile
     thermostat = profile.thermostat.model_copy(update={"kl_budget": lead.kl_budget})
     return profile.model_copy(update={"thermostat": thermostat})

@@ -442,7 +442,8 @@ class Profile(_Strict):
     lead: Lead | Literal[False] | None = Field(
         None,
         description="a topic sentence read before the prompt, never shown in the output ({} for the defaults); "
-        "left out, a thermostat profile gets the topic default's (one word, KL budget 0.05); false = none",
+        "left out, a thermostat profile gets the topic default's (one word, KL budget 0.05, plain continuation "
+        "only); false = none",
     )
 
     @field_validator("require", mode="before")
