@@ -88,7 +88,7 @@ def answer(
 
     prepared = prepare(msgs, passages, profile, tokenizer=tok, encoder=encoder, draft=draft)
     lead = lead_sentence(prepared.profile, raw=False)  # the profile's topic sentence, as a system message
-    pull = reading_profile(prepared.profile, raw=False) if prepared.profile is not None else None
+    pull = reading_profile(prepared.profile, raw=False)  # the pull while the sentence is read (its KL budget)
     ids = write([chat_ids(tok, lead_messages(prepared.messages, lead))], options, pull)[0]
     text = tok.decode(ids, skip_special_tokens=True)
     report = dict(prepared.report)

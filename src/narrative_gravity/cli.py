@@ -229,7 +229,7 @@ def generate(
     prof = _load_profile(profile) if profile is not None else None
     options = _run_guarded(lambda: SamplingOptions(max_new_tokens, top_k, temperature, seed))
     lead = None if no_gravity else _run_guarded(lambda: lead_sentence(prof, raw=raw))
-    if lead is not None and prof is not None:
+    if lead is not None:
         prof = reading_profile(prof, raw=raw)  # the pull while the sentence is read (its KL budget)
     batch: Any  # (prompts, advance) -> results, on the chosen engine
     if engine == "vllm":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .text import has_unspaced_script
 
@@ -37,6 +37,8 @@ __all__ = [
     "reading_profile",
     "reads_lead",
 ]
+
+_P = TypeVar("_P", bound="Profile | None")
 
 RAW_LEAD = "The following is about {words}."
 CHAT_LEAD = "Write about {words}."
@@ -122,10 +124,11 @@ def reads_lead(profile: Profile | None, *, raw: bool) -> bool:
     return bool(lead and (raw or lead.chat))
 
 
-def reading_profile(profile: Profile, *, raw: bool) -> Profile:
+def reading_profile(profile: _P, *, raw: bool) -> _P:
     """The profile to pull with where its topic sentence is read (plain continuation with ``raw``, else chat):
     the thermostat's ``kl_budget`` is the lead's (``lead.kl_budget``) where the profile sets no budget of its
-    own; ``profile`` itself otherwise, and where no sentence is read in that mode.
+    own; ``profile`` itself otherwise, where no sentence is read in that mode, and for ``None`` (plain
+    decoding).
 
     Every path that puts the sentence before the prompt (``ngrav generate``, ``compare``, ``eval``, the server,
     :func:`narrative_gravity.generation.generate` with ``lead``) pulls with this profile; a path that cannot
@@ -137,8 +140,10 @@ def reading_profile(profile: Profile, *, raw: bool) -> Profile:
     (None, 0.05)
     >>> reading_profile(p, raw=False) is p  # no sentence in chat: the pull as without one
     True
+    >>> reading_profile(None, raw=True) is None
+    True
     """
-    lead = profile.lead
+    lead = profile.lead if profile is not None else None
     if not lead or not reads_lead(profile, raw=raw) or lead.kl_budget is None:
         return profile
     if profile.thermostat.kl_budget is not None:  # the thermostat's own budget wins

@@ -249,8 +249,7 @@ class VLLMGenerator:
         ``seconds`` is each prompt's share of the call."""
         lead = lead_sentence(profile, raw=raw)
         encoded = encode_prompts(self.tokenizer, prompts, raw=raw, lead=lead)
-        if profile is not None:
-            profile = reading_profile(profile, raw=raw)  # the pull while the sentence is read (its KL budget)
+        profile = reading_profile(profile, raw=raw)  # the pull while the sentence is read (its KL budget)
         t0 = time.perf_counter()
         outs = self.generate(encoded, options, profile, record_trace=record_trace, on_finish=progress)
         elapsed = time.perf_counter() - t0

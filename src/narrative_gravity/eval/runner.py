@@ -468,8 +468,7 @@ class _Runner:
             return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
         if arm != CONTROL:
             return processor_from_profile(
-                # an arm reads its sentence (see lead()), and pulls as it is read
-                reading_profile(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode),
+                self.pull_profile(arm, prompt),
                 self.tok,
                 max_new_tokens=self.s.max_new_tokens,
                 trace=Trace(),
@@ -497,6 +496,10 @@ class _Runner:
         if arm == CONTROL or self.plan.arms[arm].baseline is not None:
             return None
         return lead_sentence(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)
+
+    def pull_profile(self, arm: str, prompt: EvalPrompt) -> Profile:
+        """The profile an arm pulls with for ``prompt``: as its sentence (:meth:`lead`) is read."""
+        return reading_profile(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)
 
     def judge_context(self, prompt: str) -> str:
         return prompt if self.s.raw_mode else prompt + "\n"
@@ -608,7 +611,7 @@ class _VLLMRunner(_Runner):
             return None
         if self.plan.arms[arm].baseline is not None:  # check_engine_arms refuses these before the run
             raise ConfigurationError(f"arm `{arm}` is a Python logits processor; run it with --engine hf")
-        profile = reading_profile(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)  # as read (see lead())
+        profile = self.pull_profile(arm, prompt)
         # Build its program here, as the engine will: a profile that does not fit the tokenizer fails this
         # batch now, where the engine would run the request without gravity and only log why.
         program_from_profile(profile, self.tok, model=self._model_for(profile))
