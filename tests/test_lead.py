@@ -65,6 +65,13 @@ def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> No
     assert reading_profile(own, raw=True) is own  # the thermostat's own budget wins
     no_budget = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {}})
     assert reading_profile(no_budget, raw=True).thermostat.kl_budget is None
+    late = Profile.from_mapping(
+        {"core_semantics": ["orbit"], "lead": {"kl_budget": 0.05, "kl_budget_steps": 64, "late_kl_budget": 0.3}}
+    )
+    t = reading_profile(late, raw=True).thermostat
+    assert (t.kl_budget, t.kl_budget_steps, t.late_kl_budget) == (0.05, 64, 0.3)
+    with pytest.raises(ProfileError, match=r"lead\.kl_budget_steps"):
+        Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"kl_budget_steps": 0}})
 
 
 def test_an_eval_arm_pulls_with_the_budget_while_it_reads_the_sentence(tiny_model, tmp_path) -> None:

@@ -699,3 +699,36 @@ def test_pulling_in_place_changes_nothing_but_the_copy(tiny_model: tuple[Any, An
         assert not torch.equal(pulled, before)  # it did pull
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
+
+
+def test_kl_budget_steps_hold_the_budget_for_the_first_tokens_only(tiny_model: tuple[Any, Any]) -> None:
+    """``kl_budget_steps``: the budget holds for that many generated tokens, ``late_kl_budget`` after them. The
+    first steps are the budgeted run's to the bit; after them the pull costs more, up to the late budget."""
+    model, tokenizer = tiny_model
+    words = ["the", "and", "of"]
+    steps, n = 5, 12
+
+    def run(**budget: float | int) -> dict[str, Any]:
+        spec: dict[str, Any] = {"core_semantics": words, "field": {"mode": "lexical"}, "schedule": "thermostat"}
+        spec["thermostat"] = {"max_strength": 8.0, "strict_target": 0.9, "converge_target": 0.9, **budget}
+        trace = Trace()
+        proc = processor_from_profile(Profile.from_mapping(spec), tokenizer, max_new_tokens=n, trace=trace)
+        enc = tokenizer(["The crew", "A small moon moves"], return_tensors="pt", padding=True)
+        torch.manual_seed(0)
+        _greedy(model, tokenizer, enc, proc, n)
+        return trace.to_numpy()
+
+    held = run(kl_budget=0.02)
+    lifted = run(kl_budget=0.02, kl_budget_steps=steps)
+    late = run(kl_budget=0.02, kl_budget_steps=steps, late_kl_budget=0.1)
+    for t in (lifted, late):
+        assert (t["strength"][:, :steps] == held["strength"][:, :steps]).all()  # [B, T]
+    assert held["kl"].max() <= 0.02 * 1.5
+    assert lifted["kl"][:, steps:].max() > 0.1  # no limit after the first tokens
+    assert 0.02 * 1.5 < late["kl"][:, steps:].max() <= 0.1 * 1.5
+    row = controller_from_profile(
+        Profile.from_mapping({"core_semantics": words, "thermostat": {"kl_budget_steps": 64, "late_kl_budget": 0.3}})
+    ).row()
+    assert (row["kl_budget"], row["kl_budget_steps"], row["late_kl_budget"]) == (0.0, 64, 0.3)
+    with pytest.raises(ConfigurationError, match="kl_budget_steps"):
+        ThermostatController(4.0, kl_budget=0.1, kl_budget_steps=0)

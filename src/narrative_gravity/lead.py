@@ -148,7 +148,12 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
         return profile
     if profile.thermostat.kl_budget is not None:  # the thermostat's own budget wins
         return profile
-    thermostat = profile.thermostat.model_copy(update={"kl_budget": lead.kl_budget})
+    budget = {
+        "kl_budget": lead.kl_budget,
+        "kl_budget_steps": lead.kl_budget_steps,
+        "late_kl_budget": lead.late_kl_budget,
+    }
+    thermostat = profile.thermostat.model_copy(update=budget)
     return profile.model_copy(update={"thermostat": thermostat})
 
 

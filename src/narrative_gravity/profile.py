@@ -188,6 +188,18 @@ class Thermostat(_Strict):
         description="the most KL (nats) the pull may cost one step: λ stops there even below the target mass; "
         "None = no limit (λ_max alone caps it)",
     )
+    kl_budget_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="kl_budget holds for this many generated tokens, late_kl_budget after them; None = throughout",
+    )
+    late_kl_budget: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="the KL budget (nats a step) after kl_budget_steps tokens; None = no limit",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Thermostat:
@@ -309,6 +321,10 @@ class Lead(_Strict):
     logits processor in a ``generate`` call of your own, a vLLM request with the profile in its
     ``extra_args``), the profile pulls as if it had no ``lead``. ``chat: false`` reads it in plain continuation
     only: in chat, the profile pulls as if it had no ``lead`` too.
+
+    ``kl_budget_steps`` and ``late_kl_budget``: the sentence holds the opening of a text best, and is far back
+    in a long one; past ``kl_budget_steps`` generated tokens the budget becomes ``late_kl_budget`` (None: no
+    limit, the thermostat's full pull).
     """
 
     text: str | None = Field(
@@ -328,6 +344,19 @@ class Lead(_Strict):
         le=10.0,
         description="while the sentence is read, the thermostat's pull stops at this KL (nats a step); None = "
         "the thermostat's own kl_budget",
+    )
+    kl_budget_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="the sentence's kl_budget holds for this many generated tokens, late_kl_budget after them "
+        "(the sentence is far back by then); None = throughout",
+    )
+    late_kl_budget: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="the thermostat's KL budget (nats a step) after kl_budget_steps tokens; None = no limit",
     )
     chat: bool = Field(True, description="also read in chat, as a system message (false: in plain continuation only)")
 

@@ -42,6 +42,7 @@ from .schedule import (
     COLUMNS,
     MassProblem,
     RowSchedule,
+    kl_budget_at,
     off_topic_share,
     scheduled_strength,
     thermostat_target,
@@ -558,7 +559,7 @@ class GravityKernel:
                 prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
                 on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
                 target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
-                budget = rs.kl_budget if rs.any_kl_budget else None
+                budget = kl_budget_at(step, rs)
                 solved = prob.solve(
                     target, rs.base32, plan.iterations, plan.row_iterations, workspace=self._work, kl_budget=budget
                 )

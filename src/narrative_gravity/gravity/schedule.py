@@ -54,6 +54,7 @@ __all__ = [
     "StrengthController",
     "ThermostatController",
     "decay_factor",
+    "kl_budget_at",
     "off_topic_share",
     "phase_value",
     "scheduled_strength",
@@ -87,6 +88,8 @@ COLUMNS = (
     "iterations",
     "candidates",
     "kl_budget",  # the thermostat's most KL (nats) per step; 0: no limit
+    "kl_budget_steps",  # kl_budget holds for this many generated tokens; 0: throughout
+    "late_kl_budget",  # the budget after kl_budget_steps; 0: no limit
 )
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -155,8 +158,13 @@ class RowSchedule:
         self.row_iterations = put(c["iterations"], torch.int64)
         self.row_candidates = put(c["candidates"], torch.int64)
         budgeted = c["kl_budget"] > 0
-        self.any_kl_budget = bool((budgeted & thermo).any())
+        ends = c["kl_budget_steps"] > 0
+        late = ends & (c["late_kl_budget"] > 0)
+        self.any_kl_budget = bool(((budgeted | late) & thermo).any())
         self.kl_budget = put(np.where(budgeted, c["kl_budget"], np.inf).astype(np.float32), torch.float32)
+        self.any_late_kl_budget = bool((ends & thermo).any())
+        self.kl_budget_end = put(np.where(ends, c["kl_budget_steps"], self.NEVER).astype(np.int64), torch.int64)
+        self.late_kl_budget = put(np.where(late, c["late_kl_budget"], np.inf).astype(np.float32), torch.float32)
 
     def gate(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shift, scale)`` of the entropy gate for ``vocab``: ``gate = clip(shift + H·scale, 0, 1)``, which is
@@ -242,6 +250,21 @@ def off_topic_share(on: torch.Tensor, step: torch.Tensor, rs: RowSchedule) -> to
     k = torch.clamp(step.to(torch.float32) + rs.window_reach, max=rs.window)
     on_in = (on & (pos <= k[:, None])).sum(dim=-1)
     return (k - on_in) / rs.window
+
+
+def kl_budget_at(step: torch.Tensor, rs: RowSchedule) -> torch.Tensor | None:
+    """Each row's KL budget (nats) at ``step`` (``[R]``, ``inf`` for no limit): ``kl_budget`` for the first
+    ``kl_budget_steps`` generated tokens, ``late_kl_budget`` after them; ``None`` where no row has a budget.
+
+    >>> rs = RowSchedule(ThermostatController(4.0, kl_budget=0.05, kl_budget_steps=64).schedule(1), np.array([256]))
+    >>> [kl_budget_at(torch.tensor([s]), rs).item() for s in (0, 63, 64)]  # then no limit
+    [0.05000000074505806, 0.05000000074505806, inf]
+    """
+    if not rs.any_kl_budget:
+        return None
+    if not rs.any_late_kl_budget:
+        return rs.kl_budget
+    return torch.where(step >= rs.kl_budget_end, rs.late_kl_budget, rs.kl_budget)
 
 
 def thermostat_target(
@@ -736,6 +759,8 @@ class ThermostatController(ScheduleController):
         iterations: int = 14,
         candidates: int = 1024,
         kl_budget: float | None = None,
+        kl_budget_steps: int | None = None,
+        late_kl_budget: float | None = None,
         drift_values: torch.Tensor | None = None,
     ) -> None:
         super().__init__(max_strength)
@@ -784,14 +809,21 @@ class ThermostatController(ScheduleController):
             raise ConfigurationError(f"`drift_share` has to be in (0, 1], but is {drift_share!r}")
         self.drift_share = drift_share
         self.drift_values = drift_values
-        ok = kl_budget is None or (
-            isinstance(kl_budget, (int, float)) and not isinstance(kl_budget, bool) and 0 < kl_budget <= 10
+        for name, v in (("kl_budget", kl_budget), ("late_kl_budget", late_kl_budget)):
+            ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 10)
+            if not ok:
+                raise ConfigurationError(
+                    f"`{name}` has to be None (no limit) or a number in (0, 10] (nats per step), but is {v!r}"
+                )
+        ok = kl_budget_steps is None or (
+            isinstance(kl_budget_steps, int) and not isinstance(kl_budget_steps, bool) and kl_budget_steps >= 1
         )
         if not ok:
             raise ConfigurationError(
-                f"`kl_budget` has to be None (no limit) or a number in (0, 10] (nats per step), but is {kl_budget!r}"
+                f"`kl_budget_steps` has to be None (the budget holds throughout) or a whole number >= 1, but is "
+                f"{kl_budget_steps!r}"
             )
-        self.kl_budget = kl_budget
+        self.kl_budget, self.kl_budget_steps, self.late_kl_budget = kl_budget, kl_budget_steps, late_kl_budget
 
     def __repr__(self) -> str:
         rows = self._rows[0] if len(self._rows) == 1 else list(self._rows)
@@ -818,6 +850,8 @@ class ThermostatController(ScheduleController):
             "iterations": self.iterations,
             "candidates": self.candidates,
             "kl_budget": 0.0 if self.kl_budget is None else self.kl_budget,
+            "kl_budget_steps": 0.0 if self.kl_budget_steps is None else self.kl_budget_steps,
+            "late_kl_budget": 0.0 if self.late_kl_budget is None else self.late_kl_budget,
         }
 
     def phase_target(self, step: int, max_new_tokens: int | None) -> float:
@@ -871,7 +905,8 @@ class ThermostatController(ScheduleController):
         prob = self._problem(ctx)
         target = self._target(ctx, prob)
         lam_max = self.base(ctx.batch_size, ctx.logits.device)
-        budget = None
-        if self.kl_budget is not None:
-            budget = torch.full((ctx.batch_size,), float(self.kl_budget), device=lam_max.device)
+        rs, step = self._rows_at(ctx)
+        budget = kl_budget_at(step, rs)
+        if budget is not None:
+            budget = budget.to(lam_max.device)
         return prob.solve(target, lam_max, self.iterations, kl_budget=budget)
