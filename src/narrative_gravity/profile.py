@@ -119,6 +119,16 @@ def _numeric_fields(model: type[BaseModel]) -> tuple[str, ...]:
 _NUMERIC: dict[str, tuple[str, ...]] = {}  # filled below, once the models exist
 
 
+def _kl_budget(description: str) -> Any:
+    """A KL budget field: nats a step, in (0, 10], None by default."""
+    return Field(None, gt=0.0, le=10.0, description=description)
+
+
+def _kl_budget_steps(description: str) -> Any:
+    """A field counting the generated tokens a KL budget holds for, None by default."""
+    return Field(None, ge=1, le=1_000_000, description=description)
+
+
 def _clean_words(v: list[str]) -> list[str]:
     cleaned = [w.strip() for w in v]
     empty = [i for i, w in enumerate(cleaned) if not w]
@@ -181,24 +191,15 @@ class Thermostat(_Strict):
     )
     iterations: int = Field(14, ge=1, le=64, description="bits of the solver's λ grid (as many bisection steps)")
     candidates: int = Field(1024, ge=1, le=262144, description="field columns (largest |a|) used by the solver")
-    kl_budget: float | None = Field(
-        None,
-        gt=0.0,
-        le=10.0,
-        description="the most KL (nats) the pull may cost one step: λ stops there even below the target mass; "
-        "None = no limit (λ_max alone caps it)",
+    kl_budget: float | None = _kl_budget(
+        "the most KL (nats) the pull may cost one step: λ stops there even below the target mass; "
+        "None = no limit (λ_max alone caps it)"
     )
-    kl_budget_steps: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        description="kl_budget holds for this many generated tokens, late_kl_budget after them; None = throughout",
+    kl_budget_steps: int | None = _kl_budget_steps(
+        "kl_budget holds for this many generated tokens, late_kl_budget after them; None = throughout"
     )
-    late_kl_budget: float | None = Field(
-        None,
-        gt=0.0,
-        le=10.0,
-        description="the KL budget (nats a step) after kl_budget_steps tokens; None = no limit",
+    late_kl_budget: float | None = _kl_budget(
+        "the KL budget (nats a step) after kl_budget_steps tokens; None = no limit"
     )
 
     @model_validator(mode="after")
@@ -338,25 +339,16 @@ class Lead(_Strict):
     pick: Literal["central", "first"] = Field(
         "central", description="central: the words nearest their own MiniLM centroid; first: the profile's order"
     )
-    kl_budget: float | None = Field(
-        None,
-        gt=0.0,
-        le=10.0,
-        description="while the sentence is read, the thermostat's pull stops at this KL (nats a step); None = "
-        "the thermostat's own kl_budget",
+    kl_budget: float | None = _kl_budget(
+        "while the sentence is read, the thermostat's pull stops at this KL (nats a step); None = the "
+        "thermostat's own kl_budget"
     )
-    kl_budget_steps: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        description="the sentence's kl_budget holds for this many generated tokens, late_kl_budget after them "
-        "(the sentence is far back by then); None = throughout",
+    kl_budget_steps: int | None = _kl_budget_steps(
+        "the sentence's kl_budget holds for this many generated tokens, late_kl_budget after them (the sentence "
+        "is far back by then); None = throughout"
     )
-    late_kl_budget: float | None = Field(
-        None,
-        gt=0.0,
-        le=10.0,
-        description="the thermostat's KL budget (nats a step) after kl_budget_steps tokens; None = no limit",
+    late_kl_budget: float | None = _kl_budget(
+        "the thermostat's KL budget (nats a step) after kl_budget_steps tokens; None = no limit"
     )
     chat: bool = Field(True, description="also read in chat, as a system message (false: in plain continuation only)")
 
