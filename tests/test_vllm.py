@@ -87,7 +87,23 @@ P_REQUIRE = {
     "require": ["orbit", "galaxy"],
 }
 P_REQUIRE_THERMO = {**P_THERMO, "require": {"words": ["comet", "star"], "slack": 2, "window": 4}}
-KINDS = [P_PLANET, P_ORBIT, P_PRUNE, P_THERMO, P_STAGES, P_STAGES_PRUNE, P_TEXT_DRIFT, P_REQUIRE, P_REQUIRE_THERMO]
+# a KL budget for the first 3 tokens, another after them (the step is each row's own)
+P_LATE_BUDGET = {
+    **P_THERMO,
+    "thermostat": {**P_THERMO["thermostat"], "kl_budget": 0.02, "kl_budget_steps": 3, "late_kl_budget": 0.2},
+}
+KINDS = [
+    P_PLANET,
+    P_ORBIT,
+    P_PRUNE,
+    P_THERMO,
+    P_STAGES,
+    P_STAGES_PRUNE,
+    P_TEXT_DRIFT,
+    P_REQUIRE,
+    P_REQUIRE_THERMO,
+    P_LATE_BUDGET,
+]
 
 
 def _params(profile: dict[str, Any] | None, max_tokens: int = 10) -> SamplingParams:
