@@ -296,6 +296,17 @@ def _require_server_extra() -> None:
         )
 
 
+def _preload_encoder() -> None:
+    """Load the MiniLM sentence encoder (process-wide, once); a missing package is logged, not fatal: the
+    requests that need it will say how to install it."""
+    from ..embeddings import encode
+
+    try:
+        encode([])
+    except NarrativeGravityError as exc:
+        log.warning("the sentence encoder was not preloaded: %s", exc)
+
+
 def create_app(
     backend: Backend,
     *,
@@ -323,6 +334,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await scheduler.start()
+        if config.preload_encoder:
+            await asyncio.to_thread(_preload_encoder)
         log.info(
             "serving %s (%s engine) with batches of up to %d rows",
             backend.model_id,

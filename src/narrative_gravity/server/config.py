@@ -57,6 +57,9 @@ class ServerConfig:
         read_timeout_s: seconds a client may take to send its request headers, or between two pieces of its body.
         write_timeout_s: seconds a client may leave a response piece unread before the connection is dropped.
         keep_alive_s: seconds an idle keep-alive connection stays open.
+        preload_encoder: load the MiniLM sentence encoder while the server starts (about a second, once per
+            process), so that the first request whose topic sentence picks its words with it (the topic default
+            in plain continuation) does not wait for the load while the requests beside it run.
     """
 
     host: str = "127.0.0.1"
@@ -82,6 +85,7 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     write_timeout_s: float = 60.0
     keep_alive_s: float = 5.0
+    preload_encoder: bool = True
 
     def __post_init__(self) -> None:
         for name in (
