@@ -333,3 +333,20 @@ def check_real_model(client: Any) -> None:
     assert text.strip() and plain.model_extra["gravity"]["version"] == 1
     assert plain.model_extra["gravity"]["narrative_mass"] > plain.model_extra["gravity"]["narrative_mass_before"]
     assert stream_text(client.chat.completions.create(**kwargs, stream=True), chat=True)[0] == text
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_the_server_loads_the_sentence_encoder_while_it_starts(
+    tiny_backend: HFBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: bool
+) -> None:
+    """The topic default's sentence picks its word with MiniLM: loaded at start, the first such request does not
+    wait for it while the requests beside it run. ``preload_encoder=False`` leaves it to the first request."""
+    from narrative_gravity import embeddings
+
+    monkeypatch.setattr(embeddings, "_DEFAULT", None)  # as in a fresh process
+    config = ServerConfig(preload_encoder=preload)
+    running = RunningServer(create_app(tiny_backend, config=config, store=ProfileStore(tmp_path)), config)
+    try:
+        assert (embeddings._DEFAULT is not None) is preload
+    finally:
+        running.close()
