@@ -162,7 +162,7 @@ class RowSchedule:
         late = ends & (c["late_kl_budget"] > 0)
         self.any_kl_budget = bool(((budgeted | late) & thermo).any())
         self.kl_budget = put(np.where(budgeted, c["kl_budget"], np.inf).astype(np.float32), torch.float32)
-        self.any_late_kl_budget = bool((ends & thermo).any())
+        self.any_kl_budget_end = bool((ends & thermo).any())
         self.kl_budget_end = put(np.where(ends, c["kl_budget_steps"], self.NEVER).astype(np.int64), torch.int64)
         self.late_kl_budget = put(np.where(late, c["late_kl_budget"], np.inf).astype(np.float32), torch.float32)
 
@@ -262,7 +262,7 @@ def kl_budget_at(step: torch.Tensor, rs: RowSchedule) -> torch.Tensor | None:
     """
     if not rs.any_kl_budget:
         return None
-    if not rs.any_late_kl_budget:
+    if not rs.any_kl_budget_end:
         return rs.kl_budget
     return torch.where(step >= rs.kl_budget_end, rs.late_kl_budget, rs.kl_budget)
 
@@ -861,6 +861,9 @@ class ThermostatController(ScheduleController):
 
     def off_topic_share(self, ctx: StepContext) -> torch.Tensor:
         """Per row, the share of the drift window off the narrative (:func:`off_topic_share`)."""
+        return self._off_topic_share(ctx, self._rows_at(ctx))
+
+    def _off_topic_share(self, ctx: StepContext, rows: tuple[RowSchedule, torch.Tensor]) -> torch.Tensor:
         b = ctx.batch_size
         if ctx.input_ids is None:
             return torch.zeros(b, device=ctx.device)
@@ -875,7 +878,7 @@ class ThermostatController(ScheduleController):
         ids = recent.clamp(0, v - 1)
         on = on_src[ids] if on_src.dim() == 1 else on_src.gather(1, ids)
         on = (on & (recent >= 0) & (recent < v)).to(ctx.device)
-        rs, step = self._rows_at(ctx)
+        rs, step = rows
         return off_topic_share(on, step, rs)
 
     def drift(self, ctx: StepContext) -> torch.Tensor:
@@ -892,21 +895,21 @@ class ThermostatController(ScheduleController):
         p, entropy = probabilities(ctx.logits)
         return MassProblem(p, entropy, ctx.field, True, self.candidates)
 
-    def _target(self, ctx: StepContext, prob: MassProblem) -> torch.Tensor:
-        rs, step = self._rows_at(ctx)
-        off = self.off_topic_share(ctx).to(prob.entropy.device)
+    def _target(self, ctx: StepContext, prob: MassProblem, rows: tuple[RowSchedule, torch.Tensor]) -> torch.Tensor:
+        rs, step = rows
+        off = self._off_topic_share(ctx, rows).to(prob.entropy.device)
         return thermostat_target(step, rs, prob.entropy, ctx.logits.shape[-1], off)
 
     def target(self, ctx: StepContext) -> torch.Tensor:
         """The target mass m* per row (``[B]``) for this step."""
-        return self._target(ctx, self._problem(ctx))
+        return self._target(ctx, self._problem(ctx), self._rows_at(ctx))
 
     def __call__(self, ctx: StepContext) -> torch.Tensor:
         prob = self._problem(ctx)
-        target = self._target(ctx, prob)
+        rows = self._rows_at(ctx)  # the schedule, derived once for the target and the budget
+        target = self._target(ctx, prob, rows)
         lam_max = self.base(ctx.batch_size, ctx.logits.device)
-        rs, step = self._rows_at(ctx)
-        budget = kl_budget_at(step, rs)
+        budget = kl_budget_at(rows[1], rows[0])
         if budget is not None:
             budget = budget.to(lam_max.device)
         return prob.solve(target, lam_max, self.iterations, kl_budget=budget)
