@@ -39,6 +39,7 @@ def test_the_profile_key_takes_defaults_and_refuses_what_cannot_work() -> None:
 def test_the_topic_default_reads_one_word_and_can_be_switched_off() -> None:
     p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})  # only words: the topic default
     assert p.lead and (p.lead.words, p.lead.kl_budget, p.lead.chat) == (1, 0.05, False)
+    assert (p.lead.kl_budget_steps, p.lead.late_kl_budget) == (128, 0.3)  # the pull takes over past token 128
     assert lead_sentence(p, raw=False) is None  # measured in plain continuation; chat reads none by default
     assert Profile.from_mapping({"core_semantics": ["orbit"], "lead": None}).lead == p.lead  # null: left out
     off = Profile.from_mapping({"core_semantics": ["orbit"], "lead": False})
@@ -57,6 +58,7 @@ def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> No
     p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})
     read = reading_profile(p, raw=True)
     assert p.thermostat.kl_budget is None and read.thermostat.kl_budget == 0.05 and read.lead == p.lead
+    assert (read.thermostat.kl_budget_steps, read.thermostat.late_kl_budget) == (128, 0.3)
     assert reading_profile(read, raw=True) is read  # once is enough
     assert reading_profile(p, raw=False) is p  # the default reads no sentence in chat, so no budget there
     in_chat = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"kl_budget": 0.1}})

@@ -135,9 +135,10 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     (a processor in a ``generate`` call of your own) pulls with the profile as it is.
 
     >>> from narrative_gravity.profile import Profile
-    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, chat: false}
-    >>> p.thermostat.kl_budget, reading_profile(p, raw=True).thermostat.kl_budget
-    (None, 0.05)
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, chat: false, ...}
+    >>> read = reading_profile(p, raw=True).thermostat
+    >>> p.thermostat.kl_budget, read.kl_budget, read.kl_budget_steps, read.late_kl_budget
+    (None, 0.05, 128, 0.3)
     >>> reading_profile(p, raw=False) is p  # no sentence in chat: the pull as without one
     True
     >>> reading_profile(None, raw=True) is None

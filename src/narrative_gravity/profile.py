@@ -67,13 +67,16 @@ __all__ = [
 # (replacing `core_semantics` by each topic's words), `profiles/topic.yaml` writes it down, and
 # `plan_then_write` writes with it. A semantic field (MiniLM neighbours of the words) under the thermostat; a
 # word once written stops pulling (`repeat_weight` 0), so the pull moves on through the topic; a firm
-# thermostat (λ_max 4.25 at the default gravity_strength 1.5, targets 0.4 / 0.6 / 0.8). Chosen on the
-# `topics-tune` split, never on held-out words (docs/benchmarks.md).
+# thermostat (λ_max 4.25 at the default gravity_strength 1.5, targets 0.4 / 0.6 / 0.8). In plain continuation
+# the model first reads a sentence naming the topic's central word, and while it is near the pull stops at
+# 0.05 nats a step; past 128 generated tokens, where the sentence has faded, at 0.30. Chosen on the
+# `topics-tune` split, the Empath tuning topics and the named tuning prompts, never on held-out words
+# (docs/benchmarks.md).
 TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
-    "lead": {"words": 1, "kl_budget": 0.05, "chat": False},
+    "lead": {"words": 1, "kl_budget": 0.05, "chat": False, "kl_budget_steps": 128, "late_kl_budget": 0.30},
 }
 
 
