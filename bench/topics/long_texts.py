@@ -19,6 +19,10 @@ Usage::
         --out /tmp/topics-long
     python bench/topics/long_texts.py /tmp/topics-long --json bench/results/topics-long.json \\
         --plot docs/img/topics-long.png --judge-windows
+
+``--also RUN`` joins the arms of another run of the same prompts, seeds and budget (its plain rows are
+dropped: the same seeds give the same texts), so that arms run on different days share one table and plot;
+``--label ARM=TEXT`` names an arm there.
 """
 
 from __future__ import annotations
@@ -246,9 +250,39 @@ def plot(summary: dict[str, Any]) -> Any:
     return fig
 
 
+def joined_arms(
+    rows: list[dict[str, Any]],
+    manifest: dict[str, Any],
+    other: list[dict[str, Any]],
+    other_manifest: dict[str, Any],
+    where: Path,
+) -> list[dict[str, Any]]:
+    """The rows of ``other``'s arms that ``rows`` lacks, once its settings are checked against ``manifest``'s.
+
+    Its plain rows are dropped when ``rows`` has them (the same seeds give the same texts on one engine).
+    """
+    keys = ("prompts", "seeds", "max_new_tokens", "model", "engine")
+    mine, theirs = manifest["settings"], other_manifest["settings"]
+    differ = [k for k in keys if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise SystemExit(f"error: {where} differs from the first run in {', '.join(differ)}; join runs of one setup")
+    seen = {r["profile"] for r in rows}
+    return [r for r in other if r["profile"] not in seen]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="an `ngrav eval` output folder (topic prompts, a long budget)")
+    ap.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="another run of the same prompts, seeds and budget: its arms join the first run's (repeatable)",
+    )
+    ap.add_argument(
+        "--label", action="append", default=[], metavar="ARM=TEXT", help="name an arm in the tables and plot"
+    )
     ap.add_argument("--window", type=int, default=64, help="tokens per window")
     ap.add_argument("--json", type=Path, default=None, help="write the summary here")
     ap.add_argument("--plot", type=Path, default=None, help="write the relevance-by-window plot here (PNG)")
@@ -259,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.window < 1:
         ap.error("--window has to be >= 1")
     rows, manifest = read_run(args.run)
+    for other in args.also:
+        rows += joined_arms(rows, manifest, *read_run(other), other)
+    for spec in args.label:
+        arm, sep, text = spec.partition("=")
+        if not sep or not arm or not text:
+            ap.error(f"--label {spec!r}: write ARM=TEXT, e.g. --label auto='topic default'")
+        LABELS[arm] = text
     n_windows, windows = cut_windows(rows, manifest, args.window)
     rel = relevance_by_window(n_windows, windows, manifest, MetricContext())
     summary = summarize(n_windows, rel, rows, args.window)
