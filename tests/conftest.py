@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench_script() -> Callable[[str], ModuleType]:
+    """``bench_script("topics/paired")`` loads ``bench/topics/paired.py`` as a module named ``paired``, with its
+    own folder on ``sys.path`` while it loads (the scripts import their neighbours, such as ``run_io``)."""
+
+    def load(path: str) -> ModuleType:
+        script = BENCH / f"{path}.py"
+        name = script.stem
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        sys.path.insert(0, str(script.parent))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(script.parent))
+        return module
+
+    return load
+
 
 # ---------------------------------------------------------------------------------------------------
 # Tiny tokenizers trained in code (no download): a byte-level BPE (GPT-2 / SmolLM2 style, `Ġ` marks a

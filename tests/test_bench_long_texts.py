@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "topics"
-
-
-def _module():
-    sys.path.insert(0, str(BENCH))  # the script imports run_io from its own folder
-    try:
-        spec = importlib.util.spec_from_file_location("long_texts", BENCH / "long_texts.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
-
 
 SETTINGS = {"prompts": "p.jsonl", "seeds": [0, 1], "max_new_tokens": 256, "model": None, "engine": "vllm"}
 
@@ -29,8 +13,8 @@ def _rows(*arms: str) -> list[dict]:
     return [{"profile": a, "prompt_index": i, "seed": 0, "text": f"{a} {i}"} for a in arms for i in range(3)]
 
 
-def test_a_second_run_adds_its_new_arms_and_not_its_plain_rows() -> None:
-    long_texts = _module()
+def test_a_second_run_adds_its_new_arms_and_not_its_plain_rows(bench_script) -> None:
+    long_texts = bench_script("topics/long_texts")
     first = _rows("control", "auto")
     added = long_texts.joined_arms(
         first, {"settings": SETTINGS}, _rows("control", "late"), {"settings": SETTINGS}, Path("b")
@@ -38,8 +22,8 @@ def test_a_second_run_adds_its_new_arms_and_not_its_plain_rows() -> None:
     assert [r["profile"] for r in added] == ["late"] * 3
 
 
-def test_runs_of_another_setup_are_refused_by_name() -> None:
-    long_texts = _module()
+def test_runs_of_another_setup_are_refused_by_name(bench_script) -> None:
+    long_texts = bench_script("topics/long_texts")
     other = {"settings": {**SETTINGS, "max_new_tokens": 128, "seeds": [0]}}
     with pytest.raises(SystemExit, match="differs from the first run in seeds, max_new_tokens"):
         long_texts.joined_arms(_rows("control"), {"settings": SETTINGS}, _rows("late"), other, Path("b"))

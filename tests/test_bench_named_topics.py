@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 from narrative_gravity.eval.prompts import load_prompts, load_topics
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "topics" / "named_topics.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("named_topics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["named_topics"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bench(tmp_path: Path) -> Path:
@@ -29,8 +17,8 @@ def _bench(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_the_file_loads_as_an_eval_set_aligned_with_the_topics(tmp_path: Path) -> None:
-    mod = _module()
+def test_the_file_loads_as_an_eval_set_aligned_with_the_topics(bench_script, tmp_path: Path) -> None:
+    mod = bench_script("topics/named_topics")
     bench = _bench(tmp_path / "bench")
     out = tmp_path / "named.jsonl"
     assert mod.main([str(out), "--topics", str(bench)]) == 0

@@ -24,11 +24,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from summary import CONTROL, finite_number  # this folder's table of one draft each
+
 from narrative_gravity.eval.judge import load_judge
 from narrative_gravity.eval.report import load_run
 from narrative_gravity.eval.stats import bootstrap_ci
-
-CONTROL = "control"
 
 
 def own_perplexity(rows: list[dict[str, Any]], model: str) -> None:
@@ -71,9 +71,7 @@ def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
         for arm in arms:
             kept = {i: pick(arm, i, k) for i in prompts}
             ppl = {i: kept[i]["metrics"]["judge_ppl"] for i in prompts}
-            d3 = [
-                x for i in prompts if isinstance(x := kept[i]["metrics"].get("distinct_3"), float) and math.isfinite(x)
-            ]
+            d3 = [x for i in prompts if finite_number(x := kept[i]["metrics"].get("distinct_3"))]
             out["arms"].setdefault(arm, {})[str(k)] = {
                 "required_inclusion": statistics.fmean(kept[i]["metrics"]["required_inclusion"] for i in prompts),
                 "ppl_vs_plain_first": _geo([math.log(ppl[i] / plain1[i]) for i in prompts]),

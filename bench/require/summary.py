@@ -23,7 +23,7 @@ from narrative_gravity.eval.stats import bootstrap_ci
 CONTROL = "control"
 
 
-def _number(x: object) -> bool:
+def finite_number(x: object) -> bool:
     """A finite metric value (Dist-3 is ``None`` or NaN for a text too short to have trigrams)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -37,11 +37,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         raise SystemExit("the run has no control arm (plain decoding) to compare with")
     control = by_arm[CONTROL]
     c_ppl = statistics.median(m["judge_ppl"] for m in control.values())
-    c_d3 = statistics.fmean(d for m in control.values() if _number(d := m["distinct_3"]))
+    c_d3 = statistics.fmean(d for m in control.values() if finite_number(d := m["distinct_3"]))
     out: dict[str, Any] = {}
     for arm, cells in by_arm.items():
         ppl = [m["judge_ppl"] for m in cells.values()]
-        d3 = [d for m in cells.values() if _number(d := m["distinct_3"])]
+        d3 = [d for m in cells.values() if finite_number(d := m["distinct_3"])]
         logs = [math.log(cells[k]["judge_ppl"] / control[k]["judge_ppl"]) for k in cells if k in control]
         geo, lo, hi = (math.exp(x) for x in bootstrap_ci(logs))  # the mean log ratio, and its interval
         out[arm] = {
