@@ -287,6 +287,36 @@ def check_api_key_and_queue_limit(http: Any, wrong: Any, client: Any) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"gravity": SPACE})
 
 
+def test_decoding_keeps_the_intra_op_threads_and_side_work_gets_one(
+    tiny_backend: HFBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One OpenMP pool in the process: ``generate`` has every intra-op thread, a request's preparation (its
+    field, on a side thread) has one, so it starts no second pool (see the scheduler's module doc)."""
+    from narrative_gravity.server.scheduler import _generate_threads
+
+    seen: dict[str, int] = {}
+    generate, prepare = tiny_backend.generate, tiny_backend.prepare
+
+    def counting_generate(rows: Any, on_tokens: Any) -> Any:
+        seen["generate"] = torch.get_num_threads()
+        return generate(rows, on_tokens)
+
+    def counting_prepare(profile: Any) -> None:
+        seen["prepare"] = torch.get_num_threads()
+        prepare(profile)
+
+    monkeypatch.setattr(tiny_backend, "generate", counting_generate)
+    monkeypatch.setattr(tiny_backend, "prepare", counting_prepare)
+    running = RunningServer(create_app(tiny_backend, config=ServerConfig(), store=ProfileStore(tmp_path)))
+    try:
+        with running.client() as client:
+            space = {**SPACE, "core_semantics": ["threads", "pool"]}  # a new profile: prepared on this request
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"gravity": space})
+    finally:
+        running.close()
+    assert seen == {"generate": _generate_threads(), "prepare": 1}
+
+
 def test_vllm_engine_without_vllm_names_the_fix(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -335,7 +335,7 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await scheduler.start()
         if config.preload_encoder:
-            await asyncio.to_thread(_preload_encoder)
+            await scheduler.run_side(_preload_encoder)
         log.info(
             "serving %s (%s engine) with batches of up to %d rows",
             backend.model_id,
@@ -462,7 +462,7 @@ def create_app(
             check_gravity(gravity, backend, config)  # everything the rows could fail on, before they are queued
             return gravity
 
-        return await asyncio.to_thread(work)
+        return await scheduler.run_side(work)
 
     def encode(prompt: str | list[int] | list[dict[str, str]], *, chat: bool) -> list[int]:
         try:
@@ -542,7 +542,7 @@ def create_app(
                     prompts, gravity = [run.messages], run.gravity
         if not (chat and (passages or req.gravity is not None)):
             gravity = await resolve_gravity(req.gravity, key=route_key(user=req.user, seed=params.seed), chat=chat)
-        lead = await asyncio.to_thread(request_lead, gravity, chat=chat)
+        lead = await scheduler.run_side(functools.partial(request_lead, gravity, chat=chat))
         encoded = [encode(p, chat=chat) for p in prompts]
         plain = encoded  # without the topic sentence: what a shadow (plain decoding) reads
         if lead is not None:
@@ -550,7 +550,7 @@ def create_app(
         for ids in encoded:
             check_length(ids, params.max_tokens, param)
         if fmt is not None:  # the engine compiles the schema now: a bad one is this request's 400, not a batch's
-            await asyncio.to_thread(check_response_format, fmt, backend)
+            await scheduler.run_side(check_response_format, fmt, backend)
         job = Job()
         for ids, plain_ids in zip(encoded, plain, strict=True):
             for _ in range(params.n):
@@ -660,7 +660,7 @@ def create_app(
             except NarrativeGravityError as exc:  # invalid profile, bad message
                 raise APIError(400, public_message(exc, store), code="invalid_profile") from None
 
-        return await asyncio.to_thread(work)
+        return await scheduler.run_side(work)
 
     def int_query(request: Request, key: str, *, required: bool) -> int | None:
         raw = request.query_params.get(key)
@@ -761,6 +761,7 @@ def create_app(
         read_json=read_json,
         resolve_gravity=functools.partial(resolve_gravity, routed=False),
         encode=encode,
+        run_side=scheduler.run_side,
     )
     return app
 

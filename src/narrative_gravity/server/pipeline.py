@@ -127,7 +127,7 @@ async def plan_request(
             check_gravity(new, backend, config)  # memory and stages: built now, refused now
         return PipelineRun(prepared.messages, new, prepared.report, prepared.stages)
 
-    return await asyncio.to_thread(work)
+    return await scheduler.run_side(work)
 
 
 def profile_key(profile: Any) -> str:

@@ -24,7 +24,6 @@ the page asks for it once.
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (``Request``, imported in
 # add_playground because FastAPI is an optional extra) at definition time.
-import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -120,11 +119,13 @@ def add_playground(
     read_json: Callable[[Any], Awaitable[Any]],
     resolve_gravity: Callable[[Any], Awaitable[ResolvedGravity | None]],
     encode: Callable[..., list[int]],
+    run_side: Callable[..., Awaitable[Any]],
 ) -> None:
     """Add the page, its files and its routes to ``app`` (called by :func:`~narrative_gravity.server.create_app`).
 
     ``read_json``, ``resolve_gravity`` and ``encode`` are the app's own: the body limit, the inline-gravity rule
-    and the prompt checks apply here exactly as for a completion request.
+    and the prompt checks apply here exactly as for a completion request. ``run_side`` runs blocking work off the
+    event loop (the scheduler's, see :meth:`~narrative_gravity.server.scheduler.BatchScheduler.run_side`).
     """
     from fastapi import Request
     from fastapi.responses import Response
@@ -165,7 +166,7 @@ def add_playground(
         profile = Profile.from_mapping(req.profile)
         if req.prepare:
             try:
-                await asyncio.to_thread(backend.prepare, profile)
+                await run_side(backend.prepare, profile)
             except NarrativeGravityError as exc:
                 return {"valid": False, "errors": [{"param": "", "message": str(exc)}]}
         return {"valid": True, "profile": profile.model_dump(mode="json", exclude_none=True)}
@@ -206,4 +207,4 @@ def add_playground(
             runs = [{"control": metrics(r.control), "gravity": metrics(r.gravity)} for r in req.runs]
             return {"runs": runs, "summary": summarize_metrics(runs)}
 
-        return _finite(await asyncio.to_thread(work))
+        return _finite(await run_side(work))

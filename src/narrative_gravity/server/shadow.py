@@ -138,7 +138,7 @@ class FollowUps:
             if gravity.measure_only:  # the client's own plain run: decode work, but no arm of the profile
                 return
             rows = [(r.prompt_ids, list(r.sent)) for r in job.rows]
-            await asyncio.to_thread(self._record, main, gravity, [stats[i] for i in sorted(stats)], rows)
+            await self.scheduler.run_side(self._record, main, gravity, [stats[i] for i in sorted(stats)], rows)
             if gravity.shadow:
                 await self._shadow(job, gravity, stats, main.request)
         except asyncio.CancelledError:
@@ -175,7 +175,7 @@ class FollowUps:
             self.metrics.shadow_skip(name, "load")
             return
         reserved = sum(cap for _, cap in caps)
-        info = await asyncio.to_thread(self.resolver.store.route_info, name)  # the share now (stat-cached)
+        info = await self.scheduler.run_side(self.resolver.store.route_info, name)  # the share now (stat-cached)
         share = info.rollout.shadow if info.rollout is not None else 0.0
         if self.shadow_spent.get(name, 0) + reserved > share * self.decoded.get(name, 0):
             self.metrics.shadow_skip(name, "budget")
@@ -194,7 +194,7 @@ class FollowUps:
         """Run and record one shadow; ``True`` once its reservation has been replaced by what it decoded."""
         shadow = self.resolver.shadow_of(gravity)
         try:
-            await asyncio.to_thread(check_gravity, shadow, self.backend, self.config)
+            await self.scheduler.run_side(check_gravity, shadow, self.backend, self.config)
         except Exception as exc:
             log.warning("the shadow of %s version %s cannot be built: %s", name, gravity.version, exc)
             self.metrics.shadow_skip(name, "error")
@@ -241,7 +241,7 @@ class FollowUps:
             of=of,
         )
         rows = [(r.prompt_ids, list(r.sent)) for r in sjob.rows]
-        await asyncio.to_thread(self._record, rec, shadow, [sstats[i] for i in sorted(sstats)], rows)
+        await self.scheduler.run_side(self._record, rec, shadow, [sstats[i] for i in sorted(sstats)], rows)
         return True
 
 
