@@ -32,7 +32,8 @@ spinning between regions and sleeps, so each matrix product pays a wake-up. The 
 (fields, context pruning, the topic sentence) used to run in ``asyncio.to_thread`` threads with their own
 pools: after one pipeline request, decoding 48 tokens after a 1 450-token prompt took 4.9 s instead of 3.4 s
 on 2 cores. So ``generate`` runs on one thread with all intra-op threads, and the rest on :meth:`run_side`:
-a few side threads with one intra-op thread each, which start no pools.
+a few side threads with one intra-op thread each, which start no pools. The ContinuousScheduler's side work
+runs the same way, beside the engine's own thread.
 
 **ContinuousScheduler.** Each request's rows go to the engine as soon as they arrive and join its running batch
 at its next step; rows leave it one by one as they finish. The engine's thread reports each step's events once,
@@ -89,7 +90,20 @@ def _set_intra_op_threads(n: int) -> None:
     """Executor initializer: this thread's intra-op threads (OpenMP and MKL settings are per thread)."""
     import torch
 
-    torch.set_num_threads(n)
+    torch._C.set_num_threads(n)  # not ``torch.set_num_threads``: an in-process vLLM replaces it with a no-op
+
+
+def _side_executor() -> ThreadPoolExecutor:
+    """Threads for the work beside decoding: one intra-op thread each, so they start no OpenMP pool."""
+    return ThreadPoolExecutor(
+        max_workers=_SIDE_THREADS, thread_name_prefix="ngrav-side", initializer=_set_intra_op_threads, initargs=(1,)
+    )
+
+
+async def _run_on(executor: ThreadPoolExecutor | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    if executor is None:  # not started: a plain worker thread
+        return await asyncio.to_thread(fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
 
 
 log = logging.getLogger("narrative_gravity.server")
@@ -183,9 +197,7 @@ class BatchScheduler:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ngrav-generate", initializer=_set_intra_op_threads, initargs=(threads,)
         )
-        self._side = ThreadPoolExecutor(
-            max_workers=_SIDE_THREADS, thread_name_prefix="ngrav-side", initializer=_set_intra_op_threads, initargs=(1,)
-        )
+        self._side = _side_executor()
         self._task = asyncio.create_task(self._run(), name="ngrav-scheduler")
 
     async def run_side(self, fn: Callable[..., T], /, *args: Any) -> T:
@@ -201,9 +213,7 @@ class BatchScheduler:
         >>> asyncio.run(demo())
         3
         """
-        if self._side is None:  # not started: the caller's loop and a plain worker thread
-            return await asyncio.to_thread(fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._side, functools.partial(fn, *args))
+        return await _run_on(self._side, fn, args)
 
     async def stop(self) -> None:
         """Refuse new rows, fail the queued ones with ``503``, cancel the running batch and wait for it."""
@@ -425,6 +435,7 @@ class ContinuousScheduler:
         self.max_rows = max_rows
         self.metrics = metrics if metrics is not None else Metrics()
         self._live: set[Row] = set()
+        self._side: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._registered = False
@@ -438,11 +449,13 @@ class ContinuousScheduler:
         return self.backend.in_flight()[1]
 
     async def run_side(self, fn: Callable[..., T], /, *args: Any) -> T:
-        """``fn(*args)`` off the event loop, in a worker thread (the engine's own thread does the decoding)."""
-        return await asyncio.to_thread(fn, *args)
+        """``fn(*args)`` off the event loop, on a side thread with one intra-op thread (the engine's own thread
+        decodes; see the module doc)."""
+        return await _run_on(self._side, fn, args)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._side = _side_executor()
         if not self._registered:
             self.metrics.register(self.backend.collectors())
             self._registered = True
@@ -456,6 +469,8 @@ class ContinuousScheduler:
             row.job.deliver(row.index, "error", gone)
         self._live.clear()
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close)
+        if self._side is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._side.shutdown)
 
     def submit(self, rows: Sequence[Row], *, background: bool = False) -> None:
         """Hand a request's rows to the engine, all or none; ``429`` when they would pass ``max_rows``.
