@@ -71,8 +71,6 @@ __all__ = ["BatchScheduler", "ContinuousScheduler", "Job", "Row", "make_schedule
 
 T = TypeVar("T")
 _SIDE_THREADS = 4  # side work that waits on generation (plan drafts) must not hold up the rest
-
-
 _generate_threads_seen: list[int] = []
 
 

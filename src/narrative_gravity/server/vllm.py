@@ -5,11 +5,13 @@ Rows become vLLM requests on one in-process engine (``vllm.LLM`` with
 own batch with a profile per request (``SamplingParams.extra_args["gravity"]``).
 
 The backend is a :class:`~narrative_gravity.server.backend.ContinuousBackend`: one engine thread owns the
-engine and loops ``engine.step()``. :meth:`VLLMBackend.load` builds the engine on that same thread: vLLM binds
-its OpenMP threads in the thread that builds it, and a second thread stepping it starts a second pool, which
-made 48 steps after a 1 450-token prompt take 2.9 s instead of 2.15 s on 2 cores (see the scheduler's doc). Between two steps it adds the rows submitted since (they join the running
+engine and loops ``engine.step()``. Between two steps it adds the rows submitted since (they join the running
 batch at once, as in vLLM's own server), aborts the rows whose request was cancelled, and reports each step's
 new tokens, finished rows and failures in one callback per submission. A request the engine refuses fails alone.
+
+:meth:`VLLMBackend.load` builds the engine on that same thread: vLLM binds its OpenMP threads in the thread that
+builds it, and a second thread stepping it starts a second pool, which made 48 steps after a 1 450-token prompt
+take 2.9 s instead of 2.15 s on 2 cores (see :mod:`~narrative_gravity.server.scheduler`).
 
 vLLM schedules prefill and decode itself, so rows do not advance in lockstep. A row whose request asked for
 per-token stats (``stream_options.include_trace``) carries a trace id in ``extra_args``; the processor keeps
