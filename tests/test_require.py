@@ -116,6 +116,23 @@ def test_a_word_counts_only_whole_and_stands_whole_near_the_deadline() -> None:
     assert torch.isfinite(out[0, 20:25]).all()
 
 
+def test_a_form_written_without_its_space_counts_only_where_a_word_starts() -> None:
+    """``de`` + ``legitimacy`` is not ``legitimacy``: a glued form right after a token that ends inside a word does
+    not count; after a full stop, or at the start of the text, it does."""
+    joins = torch.zeros(V, dtype=torch.bool)
+    joins[3] = True  # " de": ends with a letter
+    req = _req(forms=(((12,), (22,)), ((17, 18),)), joins=joins)  # 22: "a" written without its space (glue)
+    tables = RequireTables.build([req], vocab=V)
+    done, q, step = torch.zeros(1, 2, dtype=torch.bool), torch.tensor([0]), torch.tensor([3])
+    assert not advance_required(done, tables, q, torch.tensor([[3, 22, 4]]), step)[0, 0]  # "de" + "a": one word
+    assert advance_required(done, tables, q, torch.tensor([[25, 22, 4]]), step)[0, 0]  # after "."
+    assert advance_required(done, tables, q, torch.tensor([[22, 4]]), torch.tensor([2]))[0, 0]  # first token
+    assert advance_required(done, tables, q, torch.tensor([[3, 12, 4]]), step)[0, 0]  # the spaced form stands alone
+    unchecked = RequireTables.build([_req(forms=(((12,), (22,)), ((17, 18),)))], vocab=V)  # no `joins`: as before
+    assert advance_required(done, unchecked, q, torch.tensor([[3, 22, 4]]), step)[0, 0]
+    assert req.history == 4  # the longest form (2), the token before it and the one after
+
+
 def test_a_word_of_a_script_without_spaces_counts_at_once() -> None:
     tables = RequireTables.build([_req(boundary=(True, False))], vocab=V)
     done = advance_required(
@@ -168,11 +185,13 @@ def test_build_requirement_on_a_real_tokenizer(tiny_tokenizer: Any) -> None:
     for forms, starts in zip(req.forms, req.starts):
         assert set(starts) <= set(forms)
         assert all(tiny_tokenizer.decode(list(s)).startswith(" ") for s in starts)  # pulled after a space
-    glue, breaks, sentence, stops = token_tables(tiny_tokenizer)
+    glue, breaks, sentence, stops, joins = token_tables(tiny_tokenizer)
     assert stops == (tiny_tokenizer.eos_token_id,)
-    for word, expect in (("s", True), (" the", False), (".", False)):
+    for word, expect, inside in (("s", True, True), (" the", False, True), (".", False, False)):
         ids = tiny_tokenizer(word, add_special_tokens=False)["input_ids"]
         assert bool(glue[ids[0]]) is expect, word
+        assert bool(joins[ids[-1]]) is inside, word
+    assert req.joins is not None and torch.equal(req.joins, joins)
     dot = tiny_tokenizer(".", add_special_tokens=False)["input_ids"][0]
     comma = tiny_tokenizer(",", add_special_tokens=False)["input_ids"][0]
     assert bool(breaks[dot]) and bool(sentence[dot]) and bool(breaks[comma]) and not bool(sentence[comma])

@@ -41,16 +41,21 @@ class _TokenizerKey:
         return isinstance(other, _TokenizerKey) and other.tokenizer is self.tokenizer and other.key == self.key
 
 
-def token_tables(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """``(glue, breaks, sentence, stops)`` of ``tokenizer``: ``[V]`` bool tables of the tokens that continue the
-    word before them (their text starts with a letter or digit, or is part of a character), of the tokens that
-    end a clause or a line, and of those that end a sentence or a line; and the special token ids (end of
-    sequence and the other control tokens)."""
+def token_tables(
+    tokenizer: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor]:
+    """``(glue, breaks, sentence, stops, joins)`` of ``tokenizer``: ``[V]`` bool tables of the tokens that
+    continue the word before them (their text starts with a letter or digit, or is part of a character), of
+    the tokens that end a clause or a line, and of those that end a sentence or a line; the special token ids
+    (end of sequence and the other control tokens); and the tokens that end inside a word (their text ends
+    with a letter or digit)."""
     return _token_tables(_TokenizerKey(tokenizer))
 
 
 @functools.lru_cache(maxsize=8)
-def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+def _token_tables(
+    key: _TokenizerKey,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor]:
     tok = key.tokenizer
     vocab = len(tok)
     texts = tok.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -58,6 +63,7 @@ def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, torch
     added = getattr(tok, "added_tokens_decoder", None) or {}
     special.update(i for i, t in added.items() if getattr(t, "special", False))
     glue = torch.zeros(vocab, dtype=torch.bool)
+    joins = torch.zeros(vocab, dtype=torch.bool)
     breaks = torch.zeros(vocab, dtype=torch.bool)
     sentence = torch.zeros(vocab, dtype=torch.bool)
     for i, text in enumerate(texts):
@@ -65,10 +71,12 @@ def _token_tables(key: _TokenizerKey) -> tuple[torch.Tensor, torch.Tensor, torch
             continue
         first = text[0]
         glue[i] = first == "\ufffd" or (first.isalnum() and not has_unspaced_script(first))
+        last = text[-1]
+        joins[i] = last == "\ufffd" or (last.isalnum() and not has_unspaced_script(last))
         stripped = text.rstrip(" \t")
         breaks[i] = bool(stripped) and (stripped[-1] in _BREAK_CHARS or "\n" in text)
         sentence[i] = bool(stripped) and (stripped[-1] in _SENTENCE_CHARS or "\n" in text)
-    return glue, breaks, sentence, tuple(sorted(i for i in special if 0 <= i < vocab))
+    return glue, breaks, sentence, tuple(sorted(i for i in special if 0 <= i < vocab)), joins
 
 
 def build_requirement(
@@ -116,7 +124,7 @@ def build_requirement(
         forms.append(tuple(dict.fromkeys(f.ids for f in usable)))
         starts.append(tuple(dict.fromkeys(st)))
         boundary.append(not unspaced)
-    glue, breaks, sentence, special = token_tables(tokenizer)
+    glue, breaks, sentence, special, joins = token_tables(tokenizer)
     capital = tuple(tuple(tokenizer.decode(list(f)).lstrip()[:1].isupper() for f in st) for st in starts)
     return Requirement(
         words=tuple(unique),
@@ -124,6 +132,7 @@ def build_requirement(
         starts=tuple(starts),
         boundary=tuple(boundary),
         glue=glue,
+        joins=joins,
         breaks=breaks,
         sentence=sentence,
         capital=capital,

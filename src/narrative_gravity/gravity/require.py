@@ -8,8 +8,9 @@ requirements of every live program into tensors, and two functions do the per-st
 once, each row at its own step, with its own budget and its own words:
 
 - :func:`advance_required` marks the words a row has just finished writing. A word counts once its last
-  piece is followed by a token that does not continue it (so ``planets`` is not ``planet``); a word of a
-  script written without spaces counts at once.
+  piece is followed by a token that does not continue it (so ``planets`` is not ``planet``), and a form
+  written without its space counts only where the token before it does not end inside a word (so
+  ``delegitimacy`` is not ``legitimacy``); a word of a script written without spaces counts at once.
 - :func:`pull_required` adds the rising pull ``strength · progress^curve`` to the first pieces of the words
   still missing (and ``strength`` to the next piece of a word being written), keeps the text from ending
   while a word is missing, and, once a row's remaining budget only just fits its missing words, forces
@@ -59,6 +60,8 @@ class Requirement:
             script without spaces).
         boundary: per word, whether it counts only when the next token does not continue it.
         glue: ``[V]`` bool, tokens that continue the word before them.
+        joins: ``[V]`` bool, tokens that end inside a word (their last character a letter or digit): a form
+            that starts without a space does not count right after one; ``None``: no such check.
         breaks: ``[V]`` bool, tokens that end a clause or a line.
         sentence: ``[V]`` bool, tokens that end a sentence or a line (after them a word starts with a capital
             where it has a capitalized form); ``None``: none known.
@@ -84,6 +87,7 @@ class Requirement:
     stops: tuple[int, ...] = ()
     sentence: torch.Tensor | None = None
     capital: tuple[tuple[bool, ...], ...] | None = None
+    joins: torch.Tensor | None = None
     strength: float = 4.0
     curve: float = 2.0
     force: bool = True
@@ -102,6 +106,8 @@ class Requirement:
             raise ConfigurationError("`glue` and `breaks` have to be [V] bool tensors of the same vocabulary")
         if self.sentence is not None and self.sentence.shape != self.glue.shape:
             raise ConfigurationError("`sentence` has to be a [V] bool tensor of the same vocabulary as `glue`")
+        if self.joins is not None and self.joins.shape != self.glue.shape:
+            raise ConfigurationError("`joins` has to be a [V] bool tensor of the same vocabulary as `glue`")
         if self.capital is not None and [len(c) for c in self.capital] != [len(s) for s in self.starts]:
             raise ConfigurationError("`capital` needs one flag per start form of each word")
         if not (math.isfinite(self.strength) and 0.0 <= self.strength <= 50.0):
@@ -119,8 +125,8 @@ class Requirement:
 
     @property
     def history(self) -> int:
-        """How many of a row's last tokens the requirement reads (a form, and the token after it)."""
-        return max(len(f) for fs in self.forms for f in fs) + 1
+        """How many of a row's last tokens the requirement reads (a form, the token before it and the one after)."""
+        return max(len(f) for fs in self.forms for f in fs) + 2
 
     def lengths(self) -> list[int]:
         """Per word, the fewest tokens that write it (what forcing must leave room for)."""
@@ -148,6 +154,7 @@ class RequireTables:
     det_q: torch.Tensor  # [P]
     det_w: torch.Tensor  # [P]
     det_len: torch.Tensor  # [P] tokens in each form
+    det_glued: torch.Tensor  # [P] bool: the form starts without a space, so the token before it must end a word
     ids: torch.Tensor  # [U] the distinct ids pulled or forced
     st_pos: torch.Tensor  # [S] first pieces of the start forms, as positions in `ids`
     st_q: torch.Tensor
@@ -161,6 +168,7 @@ class RequireTables:
     ct_rest: torch.Tensor | None  # [E] pieces left of the form once the prefix is written, the next included
     ct_len: torch.Tensor | None  # [E] tokens in each prefix
     glue: torch.Tensor  # [V + 1] bool; the last entry (no token) is False
+    joins: torch.Tensor  # [V + 1] bool: tokens that end inside a word
     breaks: torch.Tensor  # [V + 1] bool
     sentence: torch.Tensor  # [V + 1] bool
     st_cap: torch.Tensor  # [S] bool: the start form begins with a capital
@@ -187,6 +195,7 @@ class RequireTables:
         length = torch.zeros(q_n + 1, w_n, dtype=torch.long)
         boundary = torch.zeros(q_n + 1, w_n, dtype=torch.bool)
         det: list[tuple[int, int, tuple[int, ...]]] = []
+        det_glued: list[bool] = []
         starts: list[tuple[int, int, bool, int, int, bool]] = []
         has_cap = torch.zeros(q_n + 1, w_n, dtype=torch.bool)
         conts: list[tuple[int, int, tuple[int, ...], int, int]] = []
@@ -199,7 +208,10 @@ class RequireTables:
                 has[q, w] = True
                 length[q, w] = min(len(f) for f in st)
                 boundary[q, w] = req.boundary[w]
-                det += [(q, w, f) for f in forms if all(0 <= t < vocab for t in f)]
+                kept = [f for f in forms if all(0 <= t < vocab for t in f)]
+                det += [(q, w, f) for f in kept]
+                # a boundary word's form that starts mid-word (no space) is checked on its left too
+                det_glued += [req.boundary[w] and req.joins is not None and bool(req.glue[f[0]]) for f in kept]
                 has_cap[q, w] = any(caps[f] for f in st)
                 for f in dict.fromkeys(st):
                     starts.append((q, w, len(f) == int(length[q, w]), f[0], len(f), caps[f]))
@@ -215,12 +227,15 @@ class RequireTables:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         glue = torch.zeros(vocab + 1, dtype=torch.bool)
+        joins = torch.zeros(vocab + 1, dtype=torch.bool)
         breaks = torch.zeros(vocab + 1, dtype=torch.bool)
         sentence = torch.zeros(vocab + 1, dtype=torch.bool)
         stops: set[int] = set()
         for req in requirements:
             n = min(vocab, req.glue.shape[0])
             glue[:n] |= req.glue[:n].cpu()
+            if req.joins is not None:
+                joins[:n] |= req.joins[:n].cpu()
             breaks[:n] |= req.breaks[:n].cpu()
             if req.sentence is not None:
                 sentence[:n] |= req.sentence[:n].cpu()
@@ -237,6 +252,7 @@ class RequireTables:
             det_q=col([q for q, _, _ in det]),
             det_w=col([w for _, w, _ in det]),
             det_len=col([len(f) for *_, f in det]),
+            det_glued=torch.tensor(det_glued, dtype=torch.bool, device=dev),
             ids=col(ids),
             st_pos=col([pos[st[3]] for st in starts]),
             st_q=col([s[0] for s in starts]),
@@ -250,6 +266,7 @@ class RequireTables:
             ct_rest=col([c[4] for c in conts]) if conts else None,
             ct_len=col([len(c[2]) for c in conts]) if conts else None,
             glue=glue.to(dev),
+            joins=joins.to(dev),
             breaks=breaks.to(dev),
             sentence=sentence.to(dev),
             st_cap=torch.tensor([s[5] for s in starts], dtype=torch.bool, device=dev),
@@ -273,6 +290,13 @@ class RequireTables:
         if self.det_q.numel():
             match = match_suffixes(recent, self.det) & (self.det_q[None] == q[:, None])  # [B, P]
             match &= self.det_len[None] <= generated[:, None]
+            # the token before each form (none when the form fills ``recent``): inside a word, a glued form
+            # is the end of a longer word
+            if recent.shape[1]:
+                before = recent.shape[1] - 1 - self.det_len  # [P]
+                prev = recent[:, before.clamp(min=0)]  # [B, P]
+                inside = self.token_flags(self.joins, prev) & (before >= 0)[None]
+                match &= ~(inside & self.det_glued[None])
             out.scatter_add_(1, self.det_w[None].expand(b, -1), match.float())
         return out > 0
 
