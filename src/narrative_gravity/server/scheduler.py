@@ -33,7 +33,9 @@ spinning between regions and sleeps, so each matrix product pays a wake-up. The 
 pools: after one pipeline request, decoding 48 tokens after a 1 450-token prompt took 4.9 s instead of 3.4 s
 on 2 cores. So ``generate`` runs on one thread with all intra-op threads, and the rest on :meth:`run_side`:
 a few side threads with one intra-op thread each, which start no pools. The ContinuousScheduler's side work
-runs the same way, beside the engine's own thread.
+runs the same way, beside the engine's own thread. PyTorch hands its latest setting to threads that start
+later, so in a process that embeds the server, a new thread of your own that runs tensor work should call
+``torch.set_num_threads`` first.
 
 **ContinuousScheduler.** Each request's rows go to the engine as soon as they arrive and join its running batch
 at its next step; rows leave it one by one as they finish. The engine's thread reports each step's events once,
