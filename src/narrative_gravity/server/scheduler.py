@@ -73,17 +73,15 @@ __all__ = ["BatchScheduler", "ContinuousScheduler", "Job", "Row", "make_schedule
 
 T = TypeVar("T")
 _SIDE_THREADS = 4  # side work that waits on generation (plan drafts) must not hold up the rest
-_generate_threads_seen: list[int] = []
 
 
+@functools.cache
 def _generate_threads() -> int:
     """The intra-op threads ``generate`` gets: the process's setting when the first scheduler started (later
     threads would read what the side threads set, one)."""
-    if not _generate_threads_seen:
-        import torch
+    import torch
 
-        _generate_threads_seen.append(torch.get_num_threads())
-    return _generate_threads_seen[0]
+    return torch.get_num_threads()
 
 
 def _set_intra_op_threads(n: int) -> None:

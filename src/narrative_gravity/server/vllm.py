@@ -36,7 +36,6 @@ vLLM lives in its own environment (``bash scripts/setup_vllm.sh``); this module 
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import itertools
 import logging
@@ -45,7 +44,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +171,7 @@ class VLLMBackend(TokenizerText):
         self._live: dict[str, _Live] = {}
         self._waiting = 0  # submitted rows without a token yet (in the inbox or the engine)
         self._engine_thread = engine_thread if engine_thread is not None else _EngineThread()
-        self._thread: Future[None] | None = None  # the engine loop, while it runs
+        self._loop: Future[None] | None = None  # the engine loop on the engine thread, while it runs
         self._closing = False
         self._flush = False  # aborted rows leave the engine's batch (and its stats) at its next step
 
@@ -267,9 +266,9 @@ class VLLMBackend(TokenizerText):
                 raise ConfigurationError("the vLLM backend is closed; build a new one to generate")
             self._inbox.extend((row, on_events) for row in rows)
             self._waiting += len(rows)
-            if self._thread is None:
-                self._thread = self._engine_thread.submit(self._run)
-                self._thread.add_done_callback(_log_failure)
+            if self._loop is None:
+                self._loop = self._engine_thread.submit(self._run)
+                self._loop.add_done_callback(_log_failure)
             self._cv.notify()
 
     def in_flight(self) -> tuple[int, int]:
@@ -283,13 +282,13 @@ class VLLMBackend(TokenizerText):
         """Abort every row and stop the engine thread; a later :meth:`submit` starts a new one."""
         with self._cv:
             self._closing = True
-            thread = self._thread
+            loop = self._loop
             self._cv.notify()
-        if thread is not None:
-            concurrent.futures.wait([thread])
+        if loop is not None:
+            wait([loop])
         with self._cv:
             self._closing = False
-            self._thread = None
+            self._loop = None
 
     def generate(self, rows: Sequence[GenerationRow], on_tokens: TokenCallback) -> list[RowStats]:
         """Run rows through the engine thread and wait for all of them (the blocking :class:`Backend` call)."""
