@@ -308,10 +308,11 @@ async function save() {
       method: "PUT",
       body: JSON.stringify({ profile: state.profile, message: $("#save-message").value || null }),
     });
-    status.textContent = `saved ${out.name} as version ${out.version}`;
     $("#save-message").value = "";
     await refreshProfileList();
     await refreshHistory();
+    // said last, so that "saved" means the list and the history already show the new version
+    status.textContent = `saved ${out.name} as version ${out.version}`;
   } catch (err) {
     status.textContent = "not saved: " + err.message;
     if (err.param) errorSlot(err.param).textContent = err.message;
@@ -321,15 +322,21 @@ async function save() {
 async function refreshHistory() {
   const name = $("#store-name").value.trim();
   const list = $("#history");
-  list.innerHTML = "";
-  if (!name) return;
+  if (!name) {
+    list.replaceChildren();
+    return;
+  }
   let hist;
   try {
     hist = await apiJSON(`/v1/profiles/${encodeURIComponent(name)}/history`);
   } catch (err) {
-    if (err.status === 404) return; // not stored yet
+    if (err.status === 404) {
+      list.replaceChildren(); // not stored yet
+      return;
+    }
     throw err;
   }
+  const items = [];
   const head = hist.data.length ? hist.data[hist.data.length - 1].version : 0;
   for (const info of [...hist.data].reverse()) {
     const li = document.createElement("li");
@@ -356,8 +363,10 @@ async function refreshHistory() {
       back.addEventListener("click", () => rollback(name, info.version).catch(showFailure));
       li.appendChild(back);
     }
-    list.appendChild(li);
+    items.push(li);
   }
+  // replaced in one step once the answer is in, so two refreshes that overlap never leave a doubled list
+  list.replaceChildren(...items);
 }
 
 async function showDiff(name, a, b) {
@@ -372,9 +381,9 @@ async function rollback(name, version) {
     method: "POST",
     body: JSON.stringify({ to: version }),
   });
-  $("#store-status").textContent = `restored v${out.restored} as version ${out.version}`;
   await loadProfile(name);
   await refreshProfileList();
+  $("#store-status").textContent = `restored v${out.restored} as version ${out.version}`;
 }
 
 // ------------------------------------------------------------------------------------------- streaming
