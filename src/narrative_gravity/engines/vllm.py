@@ -410,7 +410,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             self.kernel.add(slot, program, budget=budget, prompt=seq[:n_prompt], output=seq[n_prompt:])
             self._fresh[slot] = False
         steps = (pos + 1 - rs.prompt_len.gpu[slots].long()).clamp_min(0)
-        rows = torch.from_numpy(np.flatnonzero(gravity & ~fresh)).to(self.device)
+        rows = torch.from_numpy(np.flatnonzero(gravity & ~fresh)).to(self.device, non_blocking=True)
         if rows.numel():
             s = slots[rows]
             self.kernel.advance(ctx.input_ids[rows].long(), s, new=steps[rows] > self.kernel.step[s])

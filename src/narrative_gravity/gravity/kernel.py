@@ -304,21 +304,21 @@ class GravityKernel:
         self.last_stage[row] = len(program.fields) - 1
         self.requires[row] = program.requirement is not None
         self._dirty = True
-        ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)
+        # Nothing here makes the host wait on the device: host data goes over with non-blocking copies, and
+        # a row's state is reset with fills (assigning a Python number to one row is a blocking copy on CUDA).
+        ids = _to_device(prompt, self.device)
         self.recent[row] = last_tokens(ids[None], self.width)[0]
-        self.step[row] = 0
-        self.stage[row] = 0
-        self.start[row] = 0
-        self.seen[row] = False
-        self.written[row] = False
+        for t in (self.step, self.stage, self.start, self.seen, self.written):
+            t[row].zero_()
         if program.repeat_weight < 1.0:
             self._said(self._width())
         if self.said is not None:
-            self.said[row] = False
+            self.said[row].zero_()
         if len(output):  # a request that comes back with output (vLLM preemption): replay it, token by token
-            where = torch.tensor([row], device=self.device)
-            for token in output:
-                self.advance(torch.tensor([int(token)], device=self.device), where)
+            where = _to_device([row], self.device)
+            tokens = _to_device(output, self.device)
+            for i in range(tokens.shape[0]):
+                self.advance(tokens[i : i + 1], where)
 
     def add_batch(
         self,
@@ -369,14 +369,14 @@ class GravityKernel:
             self.repeat[row] = 1.0
             self.last_stage[row] = 0
             self.requires[row] = False
-            self.stage[row] = 0  # an empty row reads the zero field row, with no stage on top
+            self.stage[row].zero_()  # an empty row reads the zero field row, with no stage on top
             self._dirty = True
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade places (settings and history)."""
         for arr in (self.prog, self.budget, self.sched, self.repeat, self.threshold, self.last_stage, self.requires):
             arr[[a, b]] = arr[[b, a]]
-        idx, rev = torch.tensor([a, b], device=self.device), torch.tensor([b, a], device=self.device)
+        idx, rev = _to_device([a, b], self.device), _to_device([b, a], self.device)
         for t in (self.recent, self.step, self.stage, self.start, self.seen, self.written, self.said):
             if t is not None:
                 t[idx] = t[rev]
@@ -461,8 +461,8 @@ class GravityKernel:
             self.step[rows] = step
             if self.said is not None:
                 ids = tokens.clamp(0, self.said.shape[1] - 1)
-                if new is None:
-                    self.said[rows_t, ids] = True
+                if new is None:  # a device value: a Python True would be a blocking copy on CUDA
+                    self.said[rows_t, ids] = torch.ones_like(ids, dtype=torch.bool)
                 else:
                     self.said[rows_t, ids] = self.said[rows_t, ids] | new
         if self.last_stage.any():
@@ -604,7 +604,7 @@ class GravityKernel:
         row_k = rs.candidates.clip(max=k)
         said_index = None
         if (repeat < 1.0).any():  # flat positions: one `index_select` a step instead of a 2-D fancy index
-            row_ids = torch.as_tensor(rows_np, dtype=torch.long, device=self.device)
+            row_ids = _to_device(rows_np, self.device)
             said_index = (row_ids[:, None] * bank.pos_of.numel() + bank.support[None, :]).reshape(-1)
         plan = _Plan(
             schedule=rs,
@@ -757,3 +757,14 @@ class GravityKernel:
             first=first,
             zero_row=zero,
         )
+
+
+def _to_device(ids: Sequence[int] | np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token or row ids as a long tensor on ``device``, copied without making the host wait for the device.
+
+    >>> _to_device([3, 1], torch.device("cpu")).tolist()
+    [3, 1]
+    """
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long, non_blocking=True)
+    return torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(device, non_blocking=True)

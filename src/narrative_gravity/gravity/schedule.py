@@ -116,8 +116,8 @@ class RowSchedule:
         c = {name: table[:, i] for name, i in _COL.items()}
         dev = torch.device(device)
 
-        def put(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(x)).to(device=dev, dtype=dtype)
+        def put(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:  # never makes the host wait for the device
+            return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype).to(dev, non_blocking=True)
 
         has_budget = budget > 0
         b = np.maximum(budget, 1).astype(np.float64)
@@ -175,8 +175,8 @@ class RowSchedule:
             log_v = np.float32(math.log(max(vocab, 2)))
             dev = self.window.device
             pair = (
-                torch.as_tensor(-low / span).to(dev),
-                torch.as_tensor(np.float32(1.0) / (span * log_v)).to(dev),
+                torch.as_tensor(-low / span).to(dev, non_blocking=True),
+                torch.as_tensor(np.float32(1.0) / (span * log_v)).to(dev, non_blocking=True),
             )
             self._gate_by_vocab[vocab] = pair
         return pair

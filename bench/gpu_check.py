@@ -1,0 +1,342 @@
+"""Gravity on a CUDA GPU: how often a step waits on the device, and what gravity costs next to the forward pass.
+
+The steering kernel is meant to run on the device that holds the logits, with no per-step host syncs. This
+script checks that on a real GPU, in two steps:
+
+1. ``prepare`` (here, on the CPU): builds the programs (the field and its tables) of four profiles on the
+   default model's tokenizer (the topic default, the same with required words, a staged plan with pruning, and
+   a phase schedule), and saves them with the tokenizer and the model's config into a kit folder. No model hub
+   is needed on the GPU machine, and the semantic field needs no embedding model there.
+2. ``run`` (on the GPU machine): for each profile,
+
+   - **syncs**: the transformers processor, then the kernel as vLLM drives it (rows at different steps, rows
+     leaving and joining), called for ``--steps`` steps on CUDA logits under
+     ``torch.cuda.set_sync_debug_mode("warn")``. Every synchronizing call is counted with the line that made it.
+     The processor reads its NaN flag back once every 16 steps by design (``nan_check_every``); nothing else
+     should wait.
+   - **cost**: ``model.generate`` of a model with SmolLM2-135M's shape and random weights (bfloat16), plain
+     against gravity (thermometer off, and on), ``--new-tokens`` tokens for each batch size, rounds interleaved,
+     median seconds per token and its ratio to plain. The processor alone, timed with CUDA events on the same
+     logits, against the forward pass.
+
+Run::
+
+    python bench/gpu_check.py prepare --kit .gpukit
+    # on the GPU machine, with the repository's src on PYTHONPATH:
+    python bench/gpu_check.py run --kit .gpukit --json gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Profiles of the kit: (name, profile mapping). The topic default's words stand in for any topic.
+TOPIC = ["planet", "orbit", "galaxy", "telescope", "astronaut", "rocket"]
+
+
+def _profiles() -> dict[str, dict[str, Any]]:
+    import yaml
+
+    topic = yaml.safe_load((REPO / "profiles" / "topic.yaml").read_text())
+    space = yaml.safe_load((REPO / "profiles" / "space.yaml").read_text())
+    return {
+        "topic default": topic,
+        "topic + required words": {**topic, "name": "require", "require": {"words": ["harbour", "lantern"]}},
+        "stages + pruning": {
+            "name": "staged",
+            "core_semantics": TOPIC,
+            "stages": [
+                {"core_semantics": ["rocket", "launch", "engine"], "share": 0.3},
+                {"core_semantics": ["orbit", "planet", "moon"], "share": 0.4},
+                {"core_semantics": ["telescope", "galaxy", "star"], "share": 0.3},
+            ],
+            "prune_threshold": -0.5,
+            "penalize": ["recipe", "restaurant"],
+        },
+        "phases (space.yaml)": space,
+    }
+
+
+def prepare(kit: Path) -> None:
+    """Build the programs and save them with the tokenizer and the model config under ``kit``."""
+    from narrative_gravity.models import hf_folder, load_tokenizer
+    from narrative_gravity.profile import Profile
+    from narrative_gravity.steer import controller_from_profile, program_from_profile
+
+    kit.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer()
+    tok.save_pretrained(kit / "tokenizer")
+    (kit / "config.json").write_text((hf_folder() / "config.json").read_text())
+    programs = {}
+    for name, raw in _profiles().items():
+        profile = Profile.model_validate(raw)
+        program = program_from_profile(profile, tok)
+        programs[name] = {"program": program, "controller": controller_from_profile(profile)}
+        print(f"built {name}: vocab {program.fields[0].vocab_size}, stages {program.stages is not None}")
+    torch.save(programs, kit / "programs.pt")
+    print(f"kit written to {kit}")
+
+
+class SyncCounter:
+    """Counts the CUDA synchronizations that torch reports under ``set_sync_debug_mode("warn")``, by the line
+    of this project (or of the caller) that made them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.outside = 0
+        self.where: collections.Counter[str] = collections.Counter()
+
+    def __enter__(self) -> SyncCounter:
+        self._old = warnings.showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = self._show  # type: ignore[assignment]
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def _show(self, message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
+        if "synchroniz" not in str(message):
+            self._old(message, category, filename, lineno, *args)
+            return
+        frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
+        if not frames:  # this script's own set-up (torch reports switching the mode on, say): not gravity's
+            self.outside += 1
+            return
+        self.count += 1
+        self.where[f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}"] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._old  # type: ignore[assignment]
+
+
+def _processor(entry: dict[str, Any], budget: int, *, trace: bool = False) -> Any:
+    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
+    from narrative_gravity.gravity.thermo import Trace
+
+    p = entry["program"]
+    return NarrativeGravityLogitsProcessor(
+        p.field,
+        entry["controller"],
+        stages=p.stages,
+        max_new_tokens=budget,
+        prune_threshold=p.prune_threshold,
+        repeat_weight=p.repeat_weight,
+        requirement=p.requirement,
+        trace=Trace() if trace else None,
+        inplace=True,
+    )
+
+
+def sync_check(entry: dict[str, Any], vocab: int, steps: int, batch: int, dev: torch.device) -> dict[str, Any]:
+    """Syncs per step of the processor (transformers) and of the kernel driven as vLLM drives it."""
+    from narrative_gravity.gravity.kernel import GravityKernel
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out: dict[str, Any] = {}
+    for trace in (False, True):
+        proc = _processor(entry, steps + 8, trace=trace)
+        ids = torch.randint(0, vocab, (batch, 24), device=dev, generator=gen)
+        for step in range(steps + 4):
+            if step == 4:  # the first steps build and upload tables: not counted
+                torch.cuda.synchronize()
+                counter = SyncCounter().__enter__()
+            scores = torch.randn(batch, vocab, device=dev, generator=gen) * 3
+            scores = proc(ids, scores)
+            nxt = scores.argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+        counter.__exit__()
+        out["processor" + (" + trace" if trace else "")] = {
+            "syncs": counter.count,
+            "per_step": counter.count / steps,
+            "where": dict(counter.where),
+        }
+
+    # the kernel as the vLLM adapter drives it: rows indexed by a device tensor (with its host copy), at
+    # different steps, one row leaving and a new one joining half-way
+    program = entry["program"]
+    kernel = GravityKernel(batch + 1, dev)
+    for r in range(batch):
+        kernel.add(
+            r, program, budget=steps + 8, prompt=list(range(r, r + 16)), schedule=entry["controller"].schedule(1)[0]
+        )
+    rows_np = torch.arange(batch).numpy()
+    rows = torch.as_tensor(rows_np).to(dev, non_blocking=True)
+    for _ in range(3):
+        logits = torch.randn(batch, vocab, device=dev, generator=gen)
+        new, _res = kernel.apply(logits, rows, rows_np, measure_step=True)
+        kernel.advance(new.argmax(-1), rows)
+    torch.cuda.synchronize()
+    with SyncCounter() as counter:
+        for step in range(steps):
+            if step == steps // 2:  # a request leaves and another joins in its slot
+                kernel.remove(0)
+                kernel.add(batch, program, budget=steps, prompt=[1, 2, 3], schedule=entry["controller"].schedule(1)[0])
+                rows_np = torch.tensor([batch, *range(1, batch)]).numpy()
+                rows = torch.as_tensor(rows_np).to(dev, non_blocking=True)
+            logits = torch.randn(batch, vocab, device=dev, generator=gen)
+            new, _res = kernel.apply(logits, rows, rows_np, measure_step=True)
+            kernel.advance(new.argmax(-1), rows)
+    out["kernel (vLLM rows)"] = {
+        "syncs": counter.count,
+        "per_step": counter.count / steps,
+        "where": dict(counter.where),
+        "note": "the join half-way uploads the new row's state once",
+    }
+    return out
+
+
+def _median_ms(fn: Any, n: int) -> float:
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cost(
+    model: Any, entry: dict[str, Any], vocab: int, batches: list[int], new_tokens: int, rounds: int, dev: torch.device
+) -> dict[str, Any]:
+    """``model.generate`` seconds per token: plain, gravity, gravity + thermometer; and the processor alone."""
+    out: dict[str, Any] = {}
+    for b in batches:
+        out[f"batch {b}"] = row = _cost_at(model, entry, vocab, b, new_tokens, rounds, dev)
+        print(f"  batch {b}: {json.dumps(row)}", flush=True)
+    return out
+
+
+def _cost_at(
+    model: Any, entry: dict[str, Any], vocab: int, b: int, new_tokens: int, rounds: int, dev: torch.device
+) -> dict[str, Any]:
+    from transformers import LogitsProcessorList
+
+    ids = torch.randint(0, vocab, (b, 32), device=dev, generator=torch.Generator(device=dev).manual_seed(b))
+    arms = {
+        "plain": lambda: None,
+        "gravity": lambda: _processor(entry, new_tokens),
+        "gravity+thermo": lambda: _processor(entry, new_tokens, trace=True),
+    }
+    times: dict[str, list[float]] = {a: [] for a in arms}
+
+    def one(make: Any) -> float:
+        proc = make()
+        kw = {"logits_processor": LogitsProcessorList([proc])} if proc is not None else {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / new_tokens
+
+    for make in arms.values():  # warm-up
+        one(make)
+    for r in range(rounds):
+        order = list(arms) if r % 2 == 0 else list(reversed(arms))
+        for a in order:
+            times[a].append(one(arms[a]))
+    plain = statistics.median(times["plain"])
+    row: dict[str, Any] = {"plain_ms_per_token": plain * 1e3}
+    for a in ("gravity", "gravity+thermo"):
+        med = statistics.median(times[a])
+        paired = statistics.median(x / y for x, y in zip(times[a], times["plain"], strict=True))
+        row[a] = {"ms_per_token": med * 1e3, "ratio": med / plain, "paired_ratio": paired}
+
+    # the processor alone on real-shaped logits (the clone that generate makes subtracted), against a step
+    proc = _processor(entry, new_tokens + 64)
+    scores = torch.randn(b, vocab, device=dev)
+    proc(ids, scores.clone())
+    state = {"ids": torch.cat([ids, ids[:, :1]], dim=1)}
+
+    def call() -> None:
+        proc(state["ids"], scores.clone())
+        state["ids"] = torch.cat([state["ids"], state["ids"][:, -1:]], dim=1)
+
+    proc_ms = _median_ms(call, 50) - _median_ms(scores.clone, 50)
+    row["processor_call_ms"] = proc_ms
+    row["processor_share_of_step"] = proc_ms / (plain * 1e3)
+    return row
+
+
+def run(
+    kit: Path, json_path: str | None, steps: int, batches: list[int], new_tokens: int, rounds: int, only: str | None
+) -> None:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: this check runs on a GPU machine (prepare the kit on any machine)")
+    dev = torch.device("cuda")
+    programs = torch.load(kit / "programs.pt", weights_only=False)
+    config = AutoConfig.from_pretrained(kit)
+    vocab = config.vocab_size
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": "SmolLM2-135M shape, random weights, bfloat16",
+        "steps": steps,
+        "profiles": {},
+    }
+    print(f"{result['device']}, torch {torch.__version__}", flush=True)
+    for name, entry in programs.items():
+        if only == "cost":
+            result["profiles"][name] = {}
+            continue
+        print(f"syncs: {name}", flush=True)
+        result["profiles"][name] = {"syncs": sync_check(entry, vocab, steps, 8, dev)}
+        print(json.dumps(result["profiles"][name]["syncs"], indent=1), flush=True)
+    if only != "syncs":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(dev, torch.bfloat16).eval()
+        for name in ("topic default", "topic + required words"):
+            print(f"cost: {name}", flush=True)
+            result["profiles"][name]["cost"] = cost(model, programs[name], vocab, batches, new_tokens, rounds, dev)
+    text = json.dumps(result, indent=2)
+    if json_path:
+        Path(json_path).write_text(text)
+    print(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build the kit (any machine)")
+    p.add_argument("--kit", type=Path, default=REPO / ".gpukit")
+    r = sub.add_parser("run", help="run the checks (a CUDA machine)")
+    r.add_argument("--kit", type=Path, default=REPO / ".gpukit")
+    r.add_argument("--json", default=None)
+    r.add_argument("--steps", type=int, default=64)
+    r.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    r.add_argument("--new-tokens", type=int, default=64)
+    r.add_argument("--rounds", type=int, default=5)
+    r.add_argument("--only", choices=["syncs", "cost"], default=None, help="run one of the two checks")
+    args = parser.parse_args()
+    if args.cmd == "prepare":
+        prepare(args.kit)
+    else:
+        run(args.kit, args.json, args.steps, args.batch_sizes, args.new_tokens, args.rounds, args.only)
+
+
+if __name__ == "__main__":
+    main()
