@@ -287,6 +287,8 @@ def run(
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this check runs on a GPU machine (prepare the kit on any machine)")
+    if not (kit / "programs.pt").is_file():
+        sys.exit(f"no kit at {kit}: make it first with `python bench/gpu_check.py prepare --kit {kit}`")
     dev = torch.device("cuda")
     programs = torch.load(kit / "programs.pt", weights_only=False)
     config = AutoConfig.from_pretrained(kit)
