@@ -24,6 +24,8 @@ Run::
     python bench/gpu_check.py prepare --kit .gpukit
     # on the GPU machine, with the repository's src on PYTHONPATH:
     python bench/gpu_check.py run --kit .gpukit --json gpu_check.json
+    # on any machine: the operations (GPU kernel launches) of one step, by source line
+    python bench/gpu_check.py ops --kit .gpukit --profile "topic default" --batch 8 --as-accelerator
 """
 
 from __future__ import annotations
@@ -280,6 +282,62 @@ def _cost_at(
     return row
 
 
+def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool, lines: int) -> dict[str, Any]:
+    """The tensor operations one processor step issues (each one a kernel launch on a GPU), by source line.
+
+    Views (slices, reshapes) launch nothing and are counted apart. ``as_accelerator`` applies the choices the
+    code makes off the CPU (the solver's λ per level, one softmax block), so the count on a CPU is the GPU's.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import narrative_gravity.gravity.schedule as schedule
+    import narrative_gravity.gravity.thermo as thermo
+
+    programs = torch.load(kit / "programs.pt", weights_only=False)
+    if name not in programs:
+        sys.exit(f"no profile {name!r} in the kit; it has: {', '.join(programs)}")
+    if as_accelerator:
+        grid_bits = schedule.grid_bits
+        schedule.grid_bits = lambda r, k, device: grid_bits(r, k, "cuda")  # type: ignore[assignment]
+        thermo.block_rows = lambda logits: max(logits.shape[0], 1)  # type: ignore[assignment]
+    vocab = programs[name]["program"].fields[0].vocab_size
+    proc = _processor(programs[name], 4 * steps + 64)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, 24), generator=gen)
+    scores = [torch.randn(batch, vocab, generator=gen) * 3 for _ in range(2 * steps)]
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter[str] = collections.Counter()
+            self.views = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:
+                self.views += 1
+                return out
+            frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
+            if frames:  # this script's own operations (the next token) do not count
+                f = frames[-1]
+                self.ops[f"{f.filename.split('narrative_gravity/')[-1]}:{f.lineno} {f.name}"] += 1
+            return out
+
+    counter = Count()
+    for i in range(2 * steps):  # the first half warms up (tables are built and uploaded once)
+        if i == steps:
+            counter.__enter__()
+        out = proc(ids, scores[i].clone())
+        ids = torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
+    counter.__exit__(None, None, None)
+    total = sum(counter.ops.values()) / steps
+    print(f"{name}, batch {batch}{' (as on an accelerator)' if as_accelerator else ''}: {total:.0f} operations a step")
+    print(f"  and {counter.views / steps:.0f} views; the lines that issue the most, per step:")
+    for line, n in counter.ops.most_common(lines):
+        print(f"  {n / steps:6.1f}  {line}")
+    return {"operations_per_step": total, "views_per_step": counter.views / steps}
+
+
 def run(
     kit: Path, json_path: str | None, steps: int, batches: list[int], new_tokens: int, rounds: int, only: str | None
 ) -> None:
@@ -333,9 +391,20 @@ def main() -> None:
     r.add_argument("--new-tokens", type=int, default=64)
     r.add_argument("--rounds", type=int, default=5)
     r.add_argument("--only", choices=["syncs", "cost"], default=None, help="run one of the two checks")
+    o = sub.add_parser("ops", help="count the operations of one step (any machine)")
+    o.add_argument("--kit", type=Path, default=REPO / ".gpukit")
+    o.add_argument("--profile", default="topic default", help="a profile of the kit")
+    o.add_argument("--batch", type=int, default=8)
+    o.add_argument("--steps", type=int, default=10)
+    o.add_argument("--as-accelerator", action="store_true", help="the choices the code makes off the CPU")
+    o.add_argument("--lines", type=int, default=15, help="how many source lines to list")
     args = parser.parse_args()
     if args.cmd == "prepare":
         prepare(args.kit)
+    elif args.cmd == "ops":
+        if not (args.kit / "programs.pt").is_file():
+            sys.exit(f"no kit at {args.kit}: make it first with `python bench/gpu_check.py prepare --kit {args.kit}`")
+        count_ops(args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines)
     else:
         run(args.kit, args.json, args.steps, args.batch_sizes, args.new_tokens, args.rounds, args.only)
 

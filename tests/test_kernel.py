@@ -243,3 +243,57 @@ def test_a_reused_transformers_processor_keeps_one_program_and_one_table() -> No
         proc(torch.zeros(2, prompt_len, dtype=torch.long), torch.zeros(2, V))
         banks.add(id(proc.kernel._bank[1]))
     assert len(proc.kernel._programs) == 1 and len(banks) == 1
+
+
+class _HostReads:
+    """Records every operation that reads a tensor's value back to the host (on a GPU each one waits for the
+    device): ``.item()``, ``bool()`` and ``int()`` of a tensor, ``nonzero``, boolean-mask selection, ``equal``."""
+
+    READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal", "aten::unique")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if func._schema.name.startswith(_HostReads.READS):
+                    import traceback
+
+                    frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
+                    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+                    reads.append(f"{func._schema.name} at {where}")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def test_a_step_reads_nothing_back_from_the_device() -> None:
+    """Every program's steps, with rows indexed as vLLM indexes them and as transformers does (all rows), and a
+    row that leaves and one that joins, read no value back: on a GPU none of them waits for the device."""
+    programs = _programs()
+    n = len(programs)
+    gen = torch.Generator().manual_seed(0)
+    vllm_like = GravityKernel(n + 1)
+    for r, program in enumerate(programs):
+        vllm_like.add(r, program, budget=20, prompt=[1, 2, 3])
+    rows_np = np.arange(n)
+    rows = torch.from_numpy(rows_np)
+    hf_like = GravityKernel(2)
+    hf_like.add_batch(programs[2], torch.tensor([[1, 2, 3], [4, 5, 6]]), budget=20)
+    reads = _HostReads()
+    for step in range(16):
+        if step == 2:  # the first steps build each program's tables, once
+            reads.mode.__enter__()
+        if step == 9:  # a request leaves and another joins in its slot, on a program the kernel already holds
+            vllm_like.remove(0)
+            vllm_like.add(n, programs[5], budget=12, prompt=[4, 5])
+            rows_np = np.array([n, *range(1, n)])
+            rows = torch.from_numpy(rows_np)
+        out, _ = vllm_like.apply(torch.randn(n, V, generator=gen), rows, rows_np, measure_step=True)
+        vllm_like.advance(out.argmax(-1), rows)
+        out, _ = hf_like.apply(torch.randn(2, V, generator=gen), measure_step=True)
+        hf_like.advance(out.argmax(-1))
+    reads.mode.__exit__(None, None, None)
+    assert reads.seen == []

@@ -345,3 +345,13 @@ def test_spread_puts_each_word_due_at_its_share_of_the_budget() -> None:
         _step(k, logits, token=25)  # step 12 ends a clause; the first word is due at step 20
         out, _ = k.apply(logits.clone())
         assert (set(torch.nonzero(torch.isfinite(out[0])).flatten().tolist()) == {12, 17}) is forced, spread
+
+
+def test_token_flags_read_false_for_no_token_and_ids_past_the_vocabulary() -> None:
+    from narrative_gravity.gravity.field import NO_TOKEN
+
+    tables = RequireTables.build([_req()], vocab=V)
+    tokens = torch.tensor([[NO_TOKEN, -1, 20, 19, V - 1, V, V + 7]])
+    assert tables.token_flags(tables.glue, tokens).tolist() == [[False, False, True, False, False, False, False]]
+    assert tables.token_flags(tables.breaks, tokens[0, 2:]).tolist() == [False, False, False, False, False]
+    assert tables.token_flags(tables.breaks, torch.tensor([25])).tolist() == [True]

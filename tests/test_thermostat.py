@@ -732,3 +732,14 @@ def test_kl_budget_steps_hold_the_budget_for_the_first_tokens_only(tiny_model: t
     assert (row["kl_budget"], row["kl_budget_steps"], row["late_kl_budget"]) == (0.0, 64, 0.3)
     with pytest.raises(ConfigurationError, match="kl_budget_steps"):
         ThermostatController(4.0, kl_budget=0.1, kl_budget_steps=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4096), st.integers(1, 1 << 17))
+def test_an_accelerator_takes_more_lambdas_per_level_within_the_grid_cap(rows: int, candidates: int) -> None:
+    from narrative_gravity.gravity.schedule import ACCELERATOR_GRID, grid_bits
+
+    cpu, gpu = grid_bits(rows, candidates, "cpu"), grid_bits(rows, candidates, "cuda")
+    assert 2 <= cpu <= 7 and 2 <= gpu <= 7
+    assert gpu >= cpu  # never more levels (kernel launches) than on the CPU
+    assert gpu == 2 or rows * candidates * 2**gpu <= ACCELERATOR_GRID  # the grid stays within its cap

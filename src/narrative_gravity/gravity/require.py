@@ -302,9 +302,9 @@ class RequireTables:
 
     def token_flags(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``table`` read at ``tokens`` (``NO_TOKEN`` and ids outside the vocabulary read False)."""
-        vocab = table.shape[0] - 1
-        inside = (tokens >= 0) & (tokens < vocab)
-        return table[torch.where(inside, tokens, vocab)]
+        # two operations: a negative id (NO_TOKEN) is clamped to -1 and an id past the vocabulary to the last
+        # index, so both read the last entry, the table's False pad
+        return table[tokens.clamp(-1, table.shape[0] - 1)]
 
 
 def advance_required(

@@ -54,6 +54,7 @@ __all__ = [
     "StrengthController",
     "ThermostatController",
     "decay_factor",
+    "grid_bits",
     "kl_budget_at",
     "off_topic_share",
     "phase_value",
@@ -394,8 +395,8 @@ class MassProblem:
             z_outside = self._outside()[1][:, None]
             budget = kl_budget.to(device=self.a.device, dtype=torch.float32)[:, None]
         a = self.a[:, None, :]
-        if bits is None:  # few λ per level while a level's work is small next to a tensor operation's overhead
-            bits = 7 if r * k <= 2048 else 3 if r * k <= 65536 else 2
+        if bits is None:
+            bits = grid_bits(r, k, self.a.device)
         dtype = torch.float32 if iterations <= 24 else torch.float64
         lam_max = max_strength.to(dtype)
         lo = torch.zeros(r, dtype=dtype, device=self.a.device)  # the largest grid point known to fall short
@@ -427,6 +428,26 @@ class MassProblem:
             lam = torch.ceil(lam / d) * d
         # rows already at the target, and rows without a finite logit (NaN mass), get 0
         return torch.where(self.mass0 < target, lam.float(), 0.0)
+
+
+# Off the CPU, the most values a level of the solver's grid may hold (``R × 2^bits × K``; 32 MB in float32).
+ACCELERATOR_GRID = 2**23
+
+
+def grid_bits(rows: int, candidates: int, device: torch.device | str) -> int:
+    """How many bits of the answer one level of :meth:`MassProblem.solve` reads: ``2^bits`` λ per level.
+
+    On the CPU a level costs its arithmetic, so few λ per level once the problem is large. On an accelerator a
+    level costs its kernel launches, not its arithmetic, so as many λ per level as :data:`ACCELERATOR_GRID`
+    values allow (at most 7 bits): the default 14 iterations take 2 levels instead of 5.
+
+    >>> grid_bits(8, 1024, "cpu"), grid_bits(8, 1024, "cuda"), grid_bits(512, 1024, "cuda")
+    (3, 7, 4)
+    """
+    size = max(rows * candidates, 1)
+    if torch.device(device).type == "cpu":
+        return 7 if size <= 2048 else 3 if size <= 65536 else 2
+    return max(2, min(7, int(math.log2(ACCELERATOR_GRID // size)) if size <= ACCELERATOR_GRID // 4 else 2))
 
 
 _STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
