@@ -129,6 +129,21 @@ def test_missing_model_path_and_fake_gguf(tmp_path, prompts):
         _one_line_error(runner.invoke(app, ["chat", "--model", model], input="hi\n"), needle)
 
 
+def test_a_device_the_machine_lacks_is_named_before_anything_loads(tmp_path, prompts):
+    import torch
+
+    gen = ["generate", "--prompts", str(prompts), "--no-gravity", "--output", str(tmp_path / "o.jsonl")]
+    serve = ["serve", "--store", str(tmp_path / "s")]
+    _one_line_error(runner.invoke(app, [*gen, "--device", "tpu"]), "unknown device 'tpu'", "cuda:N", "auto")
+    _one_line_error(runner.invoke(app, [*serve, "--device", "tpu"]), "unknown device 'tpu'")
+    _one_line_error(runner.invoke(app, [*gen, "--device", "xla"]), "'xla' is not supported")
+    _one_line_error(runner.invoke(app, [*gen, "--device", "cuda", "--engine", "vllm"]), "transformers engine")
+    if not torch.cuda.is_available():
+        for args in ([*gen, "--device", "cuda:1"], [*serve, "--device", "cuda"]):
+            _one_line_error(runner.invoke(app, args), "no usable CUDA GPU", "--device cpu")
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "s").exists()  # nothing was made
+
+
 def test_output_paths_are_checked_before_generating(tmp_path, prompts):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -124,7 +124,7 @@ def test_cli_generate_writes_jsonl(smollm2, tmp_path):
     prompts.write_text(json.dumps({"prompt": "Explain binary search."}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
     out = tmp_path / "out.jsonl"
     args = ["generate", "--prompts", str(prompts), "--profile", PROFILE_PATH, "--max-new-tokens", "8",
-            "--temperature", "0", "--batch-size", "2", "--trace", "--output", str(out)]  # fmt: skip
+            "--temperature", "0", "--batch-size", "2", "--trace", "--output", str(out), "--device", "auto"]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -61,6 +61,9 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
 EngineOpt = Annotated[
     str, typer.Option("--engine", help="hf (transformers, default) or vllm (in-process vLLM, from .venv-vllm)")
 ]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="transformers engine: cpu, cuda, cuda:N, mps or auto (CUDA, MPS, else CPU)")
+]
 
 
 def _read_text(path: Path, flag: str) -> str:
@@ -157,15 +160,16 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _load(model: str | None) -> tuple[Any, Any]:
+def _load(model: str | None, device: str = "cpu") -> tuple[Any, Any]:
     from rich.console import Console
 
-    from .models import load_model
+    from .models import load_model, resolve_device
 
     _check_model(model)
+    device = _run_guarded(lambda: resolve_device(device))  # before the model loads: a missing GPU fails at once
     with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
         try:
-            return load_model(model)
+            return load_model(model, device=device)
         except NarrativeGravityError as exc:
             _fail(str(exc))
         except (OSError, ValueError, RuntimeError) as exc:  # a damaged model file
@@ -206,11 +210,13 @@ def generate(
     ] = 8,
     trace: Annotated[bool, typer.Option("--trace", help="record entropy, narrative mass, KL and λ")] = False,
     engine: EngineOpt = "hf",
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Generate a continuation for every prompt, with or without gravity.
 
     With `--engine vllm` the prompts run on an in-process vLLM engine (from .venv-vllm), each request carrying
-    the profile; the output has the same fields. `--no-gravity` keeps no trace there.
+    the profile; the output has the same fields. `--no-gravity` keeps no trace there. `--device cuda` runs the
+    transformers engine on a GPU (the steering kernel follows the logits there).
 
     Example: ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
     """
@@ -221,6 +227,8 @@ def generate(
     from .lead import lead_sentence, reading_profile
     from .steer import processor_from_profile
 
+    if engine == "vllm" and device != "cpu":
+        _fail("--device is for the transformers engine; vLLM places the model on its own device")
     _run_guarded(lambda: check_engine(engine))
     texts = _read_prompts(prompts)
     if profile is None and not no_gravity:
@@ -243,7 +251,7 @@ def generate(
             return gen.generate_texts(chunk, options, pull, raw=raw, record_trace=trace, progress=advance)
 
     else:
-        m, tok = _load(model)
+        m, tok = _load(model, device)
 
         def factory(budget: int, tr: Any) -> Any:
             if prof is None:
@@ -570,7 +578,7 @@ def serve(
     engine: Annotated[
         str, typer.Option("--engine", help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)")
     ] = "hf",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps")] = "cpu",
+    device: DeviceOpt = "cpu",
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")] = 8,
     batch_window_ms: Annotated[
         float, typer.Option("--batch-window-ms", min=0.0, help="how long a batch waits to fill")
@@ -662,9 +670,13 @@ def serve(
         )
         if store is not None:
             _check_output(store, "--store", folder=True)
+        dev = device
         if engine == "hf":
+            from .models import resolve_device
+
             _check_model(model)
-        run_server(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
+            dev = resolve_device(device)  # a missing GPU fails here, before anything loads
+        run_server(config, model=model, engine=engine, device=dev, store=store, log_level=log_level)
 
     _run_guarded(run)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelNotFoundError
+from .errors import ConfigurationError, ModelNotFoundError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -229,6 +229,57 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, cache_
     return AutoTokenizer.from_pretrained(folder)
 
 
+DEVICE_HELP = "use cpu, cuda, cuda:N, mps or auto (CUDA, then MPS, then the CPU)"
+
+
+def resolve_device(device: str = "cpu") -> str:
+    """The torch device that ``device`` names, checked against this machine before any model is loaded.
+
+    ``auto`` picks the first CUDA GPU, else Apple's MPS, else the CPU. A device this machine lacks, or a name
+    torch does not know, is a :class:`~narrative_gravity.errors.ConfigurationError` that says what the machine
+    has and what to use instead.
+
+    >>> resolve_device("cpu"), resolve_device("CPU ")
+    ('cpu', 'cpu')
+    >>> resolve_device("auto") in ("cpu", "cuda", "mps")
+    True
+    >>> resolve_device("tpu")
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: unknown device 'tpu'; use cpu, cuda, cuda:N, mps or auto (CUDA, then MPS, then the CPU)
+    """
+    import torch
+
+    name = str(device).strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigurationError(f"unknown device {device!r}; {DEVICE_HELP}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigurationError(
+                f"device {device!r}: this machine has no usable CUDA GPU (torch {torch.__version__}, {build}); "
+                "use --device cpu, or install a CUDA build of torch on a machine with an NVIDIA GPU"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigurationError(
+                f"device {device!r}: this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
+                f"(cuda:0 to cuda:{count - 1})"
+            )
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigurationError(f"device {device!r}: MPS (Apple silicon) is not available here; use --device cpu")
+    elif dev.type != "cpu":
+        raise ConfigurationError(f"device {device!r} is not supported; {DEVICE_HELP}")
+    return str(dev)
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
@@ -236,13 +287,14 @@ def load_model(
     dtype: Any = None,
     device: str = "cpu",
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` offline; the model is in eval mode on ``device``.
+    """Load ``(model, tokenizer)`` offline; the model is in eval mode on ``device`` (see :func:`resolve_device`).
 
     The tokenizer pads on the left, as batched generation needs.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)
     source = resolve_model(name_or_path)
     folder = _hf_folder(source, cache_dir, with_model=True)
     tok = AutoTokenizer.from_pretrained(folder)
