@@ -163,10 +163,9 @@ def _read_prompts(path: Path) -> list[str]:
 def _load(model: str | None, device: str = "cpu") -> tuple[Any, Any]:
     from rich.console import Console
 
-    from .models import load_model, resolve_device
+    from .models import load_model
 
     _check_model(model)
-    device = _run_guarded(lambda: resolve_device(device))  # before the model loads: a missing GPU fails at once
     with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
         try:
             return load_model(model, device=device)
@@ -670,13 +669,9 @@ def serve(
         )
         if store is not None:
             _check_output(store, "--store", folder=True)
-        dev = device
         if engine == "hf":
-            from .models import resolve_device
-
             _check_model(model)
-            dev = resolve_device(device)  # a missing GPU fails here, before anything loads
-        run_server(config, model=model, engine=engine, device=dev, store=store, log_level=log_level)
+        run_server(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
 
     _run_guarded(run)
 

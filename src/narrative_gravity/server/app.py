@@ -988,8 +988,11 @@ def serve(
         ) from None
 
     from ..fields.semantic import set_field_cache_limit
+    from ..models import resolve_device
     from .factory import make_backend
 
+    if engine == "hf":  # a device this machine lacks fails here, before the store or the model is touched
+        device = resolve_device(device)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not config.is_loopback and config.api_key is None:  # ServerConfig allowed it: --insecure-no-auth
         message = (
