@@ -447,7 +447,9 @@ def grid_bits(rows: int, candidates: int, device: torch.device | str) -> int:
     size = max(rows * candidates, 1)
     if torch.device(device).type == "cpu":
         return 7 if size <= 2048 else 3 if size <= 65536 else 2
-    return max(2, min(7, int(math.log2(ACCELERATOR_GRID // size)) if size <= ACCELERATOR_GRID // 4 else 2))
+    if size > ACCELERATOR_GRID // 4:
+        return 2
+    return min(7, int(math.log2(ACCELERATOR_GRID // size)))
 
 
 _STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
