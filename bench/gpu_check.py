@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,13 +93,18 @@ def prepare(kit: Path) -> None:
     print(f"kit written to {kit}")
 
 
+def _library_frame() -> traceback.FrameSummary | None:
+    """The innermost frame of narrative_gravity on the stack (``None`` when the library is not on it)."""
+    frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
+    return frames[-1] if frames else None
+
+
 class SyncCounter:
     """Counts the CUDA synchronizations that torch reports under ``set_sync_debug_mode("warn")``, by the line
-    of this project (or of the caller) that made them."""
+    of this project that made them."""
 
     def __init__(self) -> None:
         self.count = 0
-        self.outside = 0
         self.where: collections.Counter[str] = collections.Counter()
 
     def __enter__(self) -> SyncCounter:
@@ -112,16 +118,35 @@ class SyncCounter:
         if "synchroniz" not in str(message):
             self._old(message, category, filename, lineno, *args)
             return
-        frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
-        if not frames:  # this script's own set-up (torch reports switching the mode on, say): not gravity's
-            self.outside += 1
+        frame = _library_frame()
+        if frame is None:  # this script's own set-up (torch reports switching the mode on, say): not gravity's
             return
         self.count += 1
-        self.where[f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}"] += 1
+        self.where[f"{Path(frame.filename).name}:{frame.lineno} {frame.line}"] += 1
 
     def __exit__(self, *exc: Any) -> None:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = self._old  # type: ignore[assignment]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations the library issues (a kernel launch each on a GPU) by source line; views,
+    which launch nothing, apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            self.views += 1
+            return out
+        frame = _library_frame()
+        if frame is not None:  # this script's own operations (the next token) do not count
+            self.ops[f"{frame.filename.split('narrative_gravity/')[-1]}:{frame.lineno} {frame.name}"] += 1
+        return out
 
 
 def _processor(entry: dict[str, Any], budget: int, *, trace: bool = False) -> Any:
@@ -151,15 +176,17 @@ def sync_check(entry: dict[str, Any], vocab: int, steps: int, batch: int, dev: t
     for trace in (False, True):
         proc = _processor(entry, steps + 8, trace=trace)
         ids = torch.randint(0, vocab, (batch, 24), device=dev, generator=gen)
-        for step in range(steps + 4):
-            if step == 4:  # the first steps build and upload tables: not counted
-                torch.cuda.synchronize()
-                counter = SyncCounter().__enter__()
-            scores = torch.randn(batch, vocab, device=dev, generator=gen) * 3
-            scores = proc(ids, scores)
-            nxt = scores.argmax(-1, keepdim=True)
-            ids = torch.cat([ids, nxt], dim=1)
-        counter.__exit__()
+
+        def step(ids: torch.Tensor, proc: Any = proc) -> torch.Tensor:
+            scores = proc(ids, torch.randn(batch, vocab, device=dev, generator=gen) * 3)
+            return torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
+
+        for _ in range(4):  # the first steps build and upload tables: not counted
+            ids = step(ids)
+        torch.cuda.synchronize()
+        with SyncCounter() as counter:
+            for _ in range(steps):
+                ids = step(ids)
         out["processor" + (" + trace" if trace else "")] = {
             "syncs": counter.count,
             "per_step": counter.count / steps,
@@ -288,8 +315,6 @@ def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool
     Views (slices, reshapes) launch nothing and are counted apart. ``as_accelerator`` applies the choices the
     code makes off the CPU (the solver's λ per level, one softmax block), so the count on a CPU is the GPU's.
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import narrative_gravity.gravity.schedule as schedule
     import narrative_gravity.gravity.thermo as thermo
 
@@ -306,30 +331,15 @@ def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool
     ids = torch.randint(0, vocab, (batch, 24), generator=gen)
     scores = [torch.randn(batch, vocab, generator=gen) * 3 for _ in range(2 * steps)]
 
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: collections.Counter[str] = collections.Counter()
-            self.views = 0
+    def step(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = proc(ids, scores.clone())
+        return torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if func.is_view:
-                self.views += 1
-                return out
-            frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
-            if frames:  # this script's own operations (the next token) do not count
-                f = frames[-1]
-                self.ops[f"{f.filename.split('narrative_gravity/')[-1]}:{f.lineno} {f.name}"] += 1
-            return out
-
-    counter = Count()
-    for i in range(2 * steps):  # the first half warms up (tables are built and uploaded once)
-        if i == steps:
-            counter.__enter__()
-        out = proc(ids, scores[i].clone())
-        ids = torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
-    counter.__exit__(None, None, None)
+    for scores_i in scores[:steps]:  # warm-up: tables are built and uploaded once
+        ids = step(ids, scores_i)
+    with OpCounter() as counter:
+        for scores_i in scores[steps:]:
+            ids = step(ids, scores_i)
     total = sum(counter.ops.values()) / steps
     print(f"{name}, batch {batch}{' (as on an accelerator)' if as_accelerator else ''}: {total:.0f} operations a step")
     print(f"  and {counter.views / steps:.0f} views; the lines that issue the most, per step:")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program, StagePlan
@@ -245,28 +247,22 @@ def test_a_reused_transformers_processor_keeps_one_program_and_one_table() -> No
     assert len(proc.kernel._programs) == 1 and len(banks) == 1
 
 
-class _HostReads:
+class _HostReads(TorchDispatchMode):
     """Records every operation that reads a tensor's value back to the host (on a GPU each one waits for the
     device): ``.item()``, ``bool()`` and ``int()`` of a tensor, ``nonzero``, boolean-mask selection, ``equal``."""
 
     READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal", "aten::unique")
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+        super().__init__()
+        self.seen: list[str] = []
 
-        reads = self.seen = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if func._schema.name.startswith(_HostReads.READS):
-                    import traceback
-
-                    frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
-                    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
-                    reads.append(f"{func._schema.name} at {where}")
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func._schema.name.startswith(self.READS):
+            frames = [f for f in traceback.extract_stack() if "narrative_gravity" in f.filename]
+            where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+            self.seen.append(f"{func._schema.name} at {where}")
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_step_reads_nothing_back_from_the_device() -> None:
@@ -278,22 +274,24 @@ def test_a_step_reads_nothing_back_from_the_device() -> None:
     vllm_like = GravityKernel(n + 1)
     for r, program in enumerate(programs):
         vllm_like.add(r, program, budget=20, prompt=[1, 2, 3])
-    rows_np = np.arange(n)
-    rows = torch.from_numpy(rows_np)
     hf_like = GravityKernel(2)
     hf_like.add_batch(programs[2], torch.tensor([[1, 2, 3], [4, 5, 6]]), budget=20)
-    reads = _HostReads()
-    for step in range(16):
-        if step == 2:  # the first steps build each program's tables, once
-            reads.mode.__enter__()
-        if step == 9:  # a request leaves and another joins in its slot, on a program the kernel already holds
-            vllm_like.remove(0)
-            vllm_like.add(n, programs[5], budget=12, prompt=[4, 5])
-            rows_np = np.array([n, *range(1, n)])
-            rows = torch.from_numpy(rows_np)
+
+    def step(rows_np: np.ndarray) -> None:
+        rows = torch.from_numpy(rows_np)
         out, _ = vllm_like.apply(torch.randn(n, V, generator=gen), rows, rows_np, measure_step=True)
         vllm_like.advance(out.argmax(-1), rows)
         out, _ = hf_like.apply(torch.randn(2, V, generator=gen), measure_step=True)
         hf_like.advance(out.argmax(-1))
-    reads.mode.__exit__(None, None, None)
+
+    for _ in range(2):  # the first steps build each program's tables, once
+        step(np.arange(n))
+    with _HostReads() as reads:
+        for _ in range(7):
+            step(np.arange(n))
+        # a request leaves and another joins in its slot, on a program the kernel already holds
+        vllm_like.remove(0)
+        vllm_like.add(n, programs[5], budget=12, prompt=[4, 5])
+        for _ in range(7):
+            step(np.array([n, *range(1, n)]))
     assert reads.seen == []
