@@ -315,7 +315,7 @@ def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool
     Views (slices, reshapes) launch nothing and are counted apart. ``as_accelerator`` applies the choices the
     code makes off the CPU (the solver's λ per level, one softmax block), so the count on a CPU is the GPU's.
     """
-    import narrative_gravity.gravity.schedule as schedule
+    import narrative_gravity.gravity.solve as schedule
     import narrative_gravity.gravity.thermo as thermo
 
     programs = torch.load(kit / "programs.pt", weights_only=False)

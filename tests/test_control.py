@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narrative_gravity.errors import ConfigurationError
-from narrative_gravity.gravity.schedule import (
+from narrative_gravity.gravity.controllers import (
     ConstantController,
     PhaseScheduleController,
     StepContext,

@@ -14,12 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program, StagePlan
+from narrative_gravity.gravity.controllers import ConstantController, PhaseScheduleController, ThermostatController
 from narrative_gravity.gravity.require import Requirement
-from narrative_gravity.gravity.schedule import (
-    ConstantController,
-    PhaseScheduleController,
-    ThermostatController,
-)
 from narrative_gravity.gravity.tilt import apply_gravity
 
 V = 30

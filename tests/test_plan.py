@@ -310,7 +310,7 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
 
 
 def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny_model, monkeypatch):
-    from narrative_gravity.gravity.schedule import ConstantController, ThermostatController
+    from narrative_gravity.gravity.controllers import ConstantController, ThermostatController
     from narrative_gravity.profile import TOPIC_DEFAULTS
 
     model, tok = tiny_model

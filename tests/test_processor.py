@@ -14,7 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.gravity.schedule import (
+from narrative_gravity.gravity.controllers import (
     ConstantController,
     PhaseScheduleController,
     StepContext,
@@ -581,7 +581,7 @@ def test_row_with_both_infinities_is_not_mistaken_for_nan():
 
 
 def test_thermostat_trace_matches_measure() -> None:
-    from narrative_gravity.gravity.schedule import ThermostatController
+    from narrative_gravity.gravity.controllers import ThermostatController
 
     g = torch.Generator().manual_seed(5)
     values = torch.zeros(50)

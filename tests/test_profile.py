@@ -11,7 +11,7 @@ import pytest
 
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
-from narrative_gravity.gravity.schedule import PhaseScheduleController
+from narrative_gravity.gravity.controllers import PhaseScheduleController
 from narrative_gravity.profile import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
 
 CLASSIC = {

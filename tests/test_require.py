@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from narrative_gravity.errors import FieldError, ProfileError
 from narrative_gravity.fields.required import build_requirement, token_tables
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program
+from narrative_gravity.gravity.controllers import ConstantController
 from narrative_gravity.gravity.require import Requirement, RequireTables, advance_required, pull_required
-from narrative_gravity.gravity.schedule import ConstantController
 from narrative_gravity.profile import Profile
 from narrative_gravity.steer import processor_from_profile
 

@@ -13,14 +13,8 @@ from hypothesis import strategies as st
 
 from narrative_gravity.errors import ConfigurationError, ProfileError
 from narrative_gravity.gravity import thermo
-from narrative_gravity.gravity.schedule import (
-    MAX_THERMOSTAT_STRENGTH,
-    MassProblem,
-    StepContext,
-    StrengthController,
-    ThermostatController,
-    solve_strength,
-)
+from narrative_gravity.gravity.controllers import StepContext, StrengthController, ThermostatController
+from narrative_gravity.gravity.solve import MAX_THERMOSTAT_STRENGTH, MassProblem, solve_strength
 from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
 from narrative_gravity.profile import Profile
 from narrative_gravity.steer import controller_from_profile, processor_from_profile
@@ -737,7 +731,7 @@ def test_kl_budget_steps_hold_the_budget_for_the_first_tokens_only(tiny_model: t
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 4096), st.integers(1, 1 << 17))
 def test_an_accelerator_takes_more_lambdas_per_level_within_the_grid_cap(rows: int, candidates: int) -> None:
-    from narrative_gravity.gravity.schedule import ACCELERATOR_GRID, grid_bits
+    from narrative_gravity.gravity.solve import ACCELERATOR_GRID, grid_bits
 
     cpu, gpu = grid_bits(rows, candidates, "cpu"), grid_bits(rows, candidates, "cuda")
     assert 2 <= cpu <= 7 and 2 <= gpu <= 7

@@ -22,7 +22,7 @@ from .errors import (
     VocabularyError,
 )
 from .fields import NarrativeField, WordReport
-from .gravity.schedule import ConstantController, PhaseScheduleController, StepContext, StrengthController
+from .gravity.controllers import ConstantController, PhaseScheduleController, StepContext, StrengthController
 from .gravity.thermo import Measurement, Trace, measure
 from .gravity.tilt import apply_gravity, prune_mask
 

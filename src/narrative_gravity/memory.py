@@ -28,8 +28,8 @@ from .errors import ConfigurationError
 from .fields import NarrativeField
 from .fields.lexical import weighted_lexical_field
 from .generation import SamplingOptions, chat_ids, eos_token_ids
+from .gravity.controllers import ConstantController
 from .gravity.field import merge_fields
-from .gravity.schedule import ConstantController
 from .steer import controller_from_profile, field_from_profile
 from .text import STOPWORDS, content_words, word_set
 

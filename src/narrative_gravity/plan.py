@@ -39,7 +39,7 @@ from .engines.hf import NarrativeGravityLogitsProcessor
 from .errors import ConfigurationError
 from .fields import NarrativeField, combine_fields
 from .fields.lexical import build_lexical_field, reach, surface_forms
-from .gravity.schedule import ConstantController, StrengthController
+from .gravity.controllers import ConstantController, StrengthController
 from .gravity.stages import StagePlan
 from .text import STOPWORDS, content_words, word_set
 
@@ -426,7 +426,7 @@ def plan_table(result: PlanResult, *, width: int = 48) -> Any:
 
 def _writing_controller(schedule: str, strength: float | None) -> StrengthController:
     """The plan's pull: the topic default's thermostat, or a constant λ."""
-    from .gravity.schedule import ThermostatController
+    from .gravity.controllers import ThermostatController
     from .profile import TOPIC_DEFAULTS
 
     if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float)) or strength < 0):
@@ -482,7 +482,7 @@ def plan_then_write(
     the prompt's topic.
 
     The pull is the package's topic default (:data:`~narrative_gravity.profile.TOPIC_DEFAULTS`): with
-    ``schedule="thermostat"`` a :class:`~narrative_gravity.gravity.schedule.ThermostatController` with λ_max
+    ``schedule="thermostat"`` a :class:`~narrative_gravity.gravity.controllers.ThermostatController` with λ_max
     ``strength`` (default 4.25) and targets 0.4 / 0.6 / 0.8, and ``repeat_weight=0`` (a stage word's token
     stops pulling once written, so the pull moves on through the stage). ``schedule="constant"`` pulls with
     a constant λ = ``strength`` (default 3). ``controller`` replaces both.

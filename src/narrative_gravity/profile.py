@@ -162,7 +162,7 @@ class Phases(_Strict):
 class Thermostat(_Strict):
     """The thermostat schedule: per row and step, the smallest pull that reaches a target narrative mass.
 
-    See :class:`~narrative_gravity.gravity.schedule.ThermostatController` for the rule. The target defaults were chosen
+    See :class:`~narrative_gravity.gravity.controllers.ThermostatController` for the rule. The target defaults were chosen
     on the ``topics-tune`` split of the topic benchmark (docs/benchmarks.md), never on its held-out words.
     """
 
@@ -555,7 +555,7 @@ class Profile(_Strict):
             raise ProfileError(_explain(exc, source)) from None
 
     def controller_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.gravity.schedule.PhaseScheduleController`."""
+        """Keyword arguments for :class:`~narrative_gravity.gravity.controllers.PhaseScheduleController`."""
         return {
             **self.phases.model_dump(),
             "decay_after_steps": self.decay_after_steps,
@@ -563,7 +563,7 @@ class Profile(_Strict):
         }
 
     def thermostat_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.gravity.schedule.ThermostatController`.
+        """Keyword arguments for :class:`~narrative_gravity.gravity.controllers.ThermostatController`.
 
         ``max_strength`` defaults to ``gravity_strength × 4.25 / 1.5`` (capped at 50): the topic default's
         λ_max 4.25 at the default strength 1.5, and proportional to the strength a user asks for.

@@ -18,10 +18,10 @@ from .engines.hf import NarrativeGravityLogitsProcessor
 from .errors import ConfigurationError
 from .fields import NarrativeField
 from .fields.lexical import weighted_lexical_field
+from .gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from .gravity.field import merge_fields
 from .gravity.kernel import Program
 from .gravity.require import Requirement
-from .gravity.schedule import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from .gravity.thermo import Trace
 from .plan import stage_plan
 from .profile import Profile

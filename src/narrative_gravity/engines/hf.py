@@ -21,10 +21,11 @@ import torch
 from transformers import LogitsProcessor
 
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
+from ..gravity.controllers import ConstantController, ScheduleController, StepContext, StrengthController
 from ..gravity.field import NarrativeField
 from ..gravity.kernel import GravityKernel, Program
 from ..gravity.require import Requirement
-from ..gravity.schedule import COLUMNS, ConstantController, ScheduleController, StepContext, StrengthController
+from ..gravity.schedule import COLUMNS
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
 
@@ -36,9 +37,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
 
     Args:
         field: the :class:`~narrative_gravity.fields.NarrativeField` (built once, applied every step).
-        controller: a schedule (:class:`~narrative_gravity.gravity.schedule.ConstantController`,
+        controller: a schedule (:class:`~narrative_gravity.gravity.controllers.ConstantController`,
             ``PhaseScheduleController``, ``ThermostatController``) or any callable of a
-            :class:`~narrative_gravity.gravity.schedule.StepContext`; defaults to a constant ``strength``.
+            :class:`~narrative_gravity.gravity.controllers.StepContext`; defaults to a constant ``strength``.
         strength: λ (one float, or one per prompt) when no controller is given.
         max_new_tokens: the token budget, so schedules know where the end is (needed with ``stages``).
         prune_threshold: mask tokens whose field value is at or below this (true pruning); ``None`` = off.

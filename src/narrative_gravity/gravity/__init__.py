@@ -2,7 +2,9 @@
 
 - :mod:`.tilt`: :func:`apply_gravity`, the one place the math lives;
 - :mod:`.field`: :class:`NarrativeField`, how fields combine, and continuation matching;
-- :mod:`.schedule`: constant, phases, decay and the thermostat, per row;
+- :mod:`.schedule`: the per-row schedule table and the rules that read it every step;
+- :mod:`.controllers`: constant, phases, decay and the thermostat, as users name them;
+- :mod:`.solve`: the thermostat's search for the smallest λ that reaches its target;
 - :mod:`.stages`: a plan's stages and per-row stage tracking;
 - :mod:`.thermo`: measurement (entropy, narrative mass, KL), which observes and never decides;
 - :mod:`.kernel`: :class:`GravityKernel`, per-row state and one step over a batch.
@@ -10,17 +12,17 @@
 Engines (``narrative_gravity.engines``) only translate their bookkeeping into kernel rows.
 """
 
-from .field import NarrativeField, WordReport
-from .kernel import GravityKernel, Program, StepResult
-from .schedule import (
+from .controllers import (
     ConstantController,
     PhaseScheduleController,
     ScheduleController,
     StepContext,
     StrengthController,
     ThermostatController,
-    solve_strength,
 )
+from .field import NarrativeField, WordReport
+from .kernel import GravityKernel, Program, StepResult
+from .solve import solve_strength
 from .stages import StagePlan
 from .thermo import Measurement, Trace, measure
 from .tilt import apply_gravity, prune_mask

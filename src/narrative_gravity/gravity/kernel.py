@@ -15,7 +15,7 @@ arrays, copied to the device only when they change; per-row history lives on the
 
 >>> import torch
 >>> from narrative_gravity.gravity.field import NarrativeField
->>> from narrative_gravity.gravity.schedule import ConstantController
+>>> from narrative_gravity.gravity.controllers import ConstantController
 >>> prog = Program(field=NarrativeField(values=torch.tensor([1.0, 0.0, -1.0])),
 ...                schedule=ConstantController(2.0).schedule(1)[0])
 >>> k = GravityKernel(capacity=2)
@@ -37,16 +37,8 @@ import torch
 from ..errors import ConfigurationError
 from .field import NO_TOKEN, NarrativeField, last_tokens, match_suffixes
 from .require import Requirement, RequireTables, advance_required, pull_required
-from .schedule import (
-    _COL,
-    COLUMNS,
-    MassProblem,
-    RowSchedule,
-    kl_budget_at,
-    off_topic_share,
-    scheduled_strength,
-    thermostat_target,
-)
+from .schedule import _COL, COLUMNS, RowSchedule, kl_budget_at, off_topic_share, scheduled_strength, thermostat_target
+from .solve import MassProblem
 from .stages import StagePlan, advance_stages
 from .thermo import Measurement, Workspace, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
@@ -66,7 +58,7 @@ class Program:
         stages: a :class:`~narrative_gravity.gravity.stages.StagePlan`: the row pulls toward its current
             stage's field.
         schedule: the default schedule row (``[len(COLUMNS)]``, see
-            :meth:`~narrative_gravity.gravity.schedule.ScheduleController.schedule`); a row may bring its own.
+            :meth:`~narrative_gravity.gravity.controllers.ScheduleController.schedule`); a row may bring its own.
         repeat_weight: the share of its pull a narrative token keeps once the row has generated it.
         prune_threshold: mask tokens whose field value is at or below this; ``None`` = off.
         requirement: words the text must contain before it ends
