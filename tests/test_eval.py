@@ -453,7 +453,7 @@ def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_p
     assert rows["strong"]["metrics"]["mean_strength"] == 9.0
     assert rows["weighted-4"]["trace"] is None and rows["article"]["trace"] is None
     for bad in ("weighted:x", "weighted:-1"):
-        with pytest.raises(ConfigurationError, match="weighted:λ needs a number"):
+        with pytest.raises(ConfigurationError, match="needs a number >= 0 after the colon"):
             run_eval(_settings(f, [bad]), tmp_path / "bad", model=model, tokenizer=tok, progress=False)
 
 

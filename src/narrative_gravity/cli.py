@@ -459,7 +459,8 @@ def eval_command(
         typer.Option(
             "--prompts",
             help="`topics` (the PPLM/FUDGE set), `empath` (25 Empath subject topics, the test half), `topics-tune` / "
-            "`empath-tune` (tuning splits), a .txt file, or JSONL with `prompt`",
+            "`empath-tune` (tuning splits), any of them under neutral chat requests (`chat-topics`, "
+            "`chat-empath`, `chat-topics-tune`, `chat-empath-tune`), a .txt file, or JSONL with `prompt`",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")],
@@ -470,7 +471,8 @@ def eval_command(
             help="repeat for several arms: a profile file; `auto` (one profile per topic from its words, with "
             "the settings of profiles/topic.yaml); "
             "`auto:TEMPLATE.json` (the same, from a template, named after it); `article` (the blog-post "
-            "processor); `weighted:λ` (weighted decoding)",
+            "processor); `weighted:λ` (weighted decoding); `ask` (the topic named in a system message, no pull); "
+            "`cfg:γ` (ask with classifier-free guidance at scale γ)",
         ),
     ] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="samples per prompt: seeds 0..N-1")] = None,
@@ -525,10 +527,10 @@ def eval_command(
     if not profile and not report_only:
         _fail("give --profile FILE (repeat for several) or --profile auto")
     if not report_only:
-        from .eval.prompts import TOPIC_SETS
+        from .eval.prompts import BUILT_IN_SETS
 
         _run_guarded(lambda: check_engine_arms(profile or [], engine))
-        if prompts not in TOPIC_SETS:
+        if prompts not in BUILT_IN_SETS:
             _read_text(Path(prompts), "--prompts")
         _check_output(out, "--out", folder=True)
         _check_model(model)

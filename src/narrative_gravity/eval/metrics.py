@@ -75,6 +75,7 @@ class Sample:
     tokenizer: Any = None
     judge_context: str | None = None
     required: tuple[str, ...] = ()
+    description: str | None = None
 
 
 class MetricContext:
@@ -345,6 +346,25 @@ def _topic_relevance(samples: Sequence[Sample], ctx: MetricContext) -> list[floa
     vecs = ctx.vectors([samples[i].text for i in todo])
     for i, v in zip(todo, vecs):
         out[i] = float(v @ ctx.centroid(tuple(samples[i].score_words)))
+    return out
+
+
+@register_metric(
+    "description_relevance",
+    higher_is_better=True,
+    batched=True,
+    needs=("encoder",),
+    description="MiniLM cosine between the text and the prompt's topic description ('a text about space'), which "
+    "no profile is given; undefined for prompts without one",
+)
+def _description_relevance(samples: Sequence[Sample], ctx: MetricContext) -> list[float]:
+    out = [NAN] * len(samples)
+    todo = [i for i, s in enumerate(samples) if s.description and s.text.strip()]
+    if todo:
+        texts = ctx.vectors([samples[i].text for i in todo])
+        described = ctx.vectors([samples[i].description for i in todo])
+        for i, v, d in zip(todo, texts, described):
+            out[i] = float(v @ d)
     return out
 
 

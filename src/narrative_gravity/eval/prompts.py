@@ -24,7 +24,9 @@ positions score). The held-out half of ``topics`` appears nowhere in it.
 
 ``empath`` and ``empath-tune`` are the test and tuning topics of :mod:`~narrative_gravity.eval.lexicon`
 (subject categories of the Empath lexicon) × the same prefixes, each word list split by :func:`split_wordlist`.
-All four built-in sets (:data:`TOPIC_SETS`) are plain continuations by default.
+All four built-in sets (:data:`TOPIC_SETS`) are plain continuations by default. ``chat-topics``,
+``chat-topics-tune``, ``chat-empath`` and ``chat-empath-tune`` (:data:`CHAT_TOPIC_SETS`) put the same topics and
+word splits under neutral chat requests, in the chat template (:mod:`~narrative_gravity.eval.chat`).
 
 >>> split_wordlist(["planet ", "galaxy", "", "orbit", "Planet", "moon"])
 (('planet', 'orbit', 'moon'), ('galaxy',))
@@ -42,6 +44,8 @@ from ..errors import ConfigurationError
 
 __all__ = [
     "BENCH_ENV",
+    "BUILT_IN_SETS",
+    "CHAT_TOPIC_SETS",
     "EMPATH",
     "EMPATH_TUNE",
     "TOPICS",
@@ -62,6 +66,9 @@ EMPATH = "empath"
 EMPATH_TUNE = "empath-tune"
 # The built-in topic sets: named, not files, and continued without the chat template unless --chat is given.
 TOPIC_SETS = (TOPICS, TOPICS_TUNE, EMPATH, EMPATH_TUNE)
+# The same topics and word splits under neutral chat requests (:mod:`~narrative_gravity.eval.chat`).
+CHAT_TOPIC_SETS = tuple(f"chat-{name}" for name in TOPIC_SETS)
+BUILT_IN_SETS = TOPIC_SETS + CHAT_TOPIC_SETS
 BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
 
 
@@ -76,6 +83,7 @@ class EvalPrompt:
     heldout_words: tuple[str, ...] = ()
     profile: str | None = None
     required: tuple[str, ...] = ()
+    description: str | None = None  # a sentence that scores relevance apart from every word list (chat sets)
 
     def score_words(self) -> tuple[str, ...]:
         """The words that score topic relevance and success: held-out words if any, else the topic words."""
@@ -164,14 +172,19 @@ def _words(value: object, where: str, key: str) -> tuple[str, ...]:
 
 
 def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
-    """Load a built-in set (``topics``, ``topics-tune``, ``empath``, ``empath-tune``), a ``.jsonl`` file (see
-    the module doc) or a text file with one prompt per line."""
+    """Load a built-in set (``topics``, ``topics-tune``, ``empath``, ``empath-tune``, and each of them under
+    chat requests: ``chat-topics`` …), a ``.jsonl`` file (see the module doc) or a text file with one prompt
+    per line."""
     if str(source) in (TOPICS, TOPICS_TUNE):
         return load_topics(tuning=str(source) == TOPICS_TUNE)
     if str(source) in (EMPATH, EMPATH_TUNE):
         from .lexicon import load_empath  # imported here: lexicon builds on this module
 
         return load_empath(tuning=str(source) == EMPATH_TUNE)
+    if str(source) in CHAT_TOPIC_SETS:
+        from .chat import load_chat  # imported here: chat builds on this module
+
+        return load_chat(str(source))
     path = Path(source)
     if not path.is_file():
         raise ConfigurationError(

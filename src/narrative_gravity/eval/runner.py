@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, NarrativeGravityError
-from ..generation import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
+from ..generation import SamplingOptions, check_engine, encode_prompts, left_pad, sample_ids, vllm_engine
 from ..gravity.thermo import Trace
 from ..lead import lead_sentence, reading_profile
 from ..profile import TOPIC_DEFAULTS, Profile
@@ -180,43 +180,69 @@ class _Plan:
 
 
 ARTICLE_STRENGTH = 1.2  # the blog post's configuration
+# The `ask` arm's system message names this many of the topic's conditioning words (the most central ones).
+ASK_WORDS = 3
+# Baselines that are not logits processors of ours: `ask` runs on either engine; the rest need transformers.
+_ANY_ENGINE = ("ask",)
+
+
+def _number(spec: str, example: str) -> float:
+    raw = spec.split(":", 1)[1]
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value == value or value < 0:  # NaN or negative
+        raise ConfigurationError(f"--profile {spec!r}: needs a number >= 0 after the colon, e.g. {example}")
+    return value
 
 
 def _baseline(spec: str) -> _Arm | None:
-    """``article`` or ``weighted:λ`` as an arm, else ``None``."""
+    """``article``, ``weighted:λ``, ``ask`` or ``cfg:γ`` as an arm, else ``None``.
+
+    ``ask`` names the topic in a system message (in plain continuation: a sentence before the prompt) and
+    does not pull; ``cfg:γ`` is ``ask`` amplified by transformers' classifier-free guidance at scale γ, with
+    the prompt without the topic as the negative branch (a second forward pass a step).
+
+    >>> [_baseline(s).name for s in ("article", "weighted:4", "ask", "cfg:1.5")]
+    ['article', 'weighted-4', 'ask', 'cfg-1.5']
+    >>> _baseline("cfg:x")
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: --profile 'cfg:x': needs a number >= 0 after the colon, e.g. cfg:1.5
+    """
     if spec == "article":
         return _Arm("article", None, baseline=("article", ARTICLE_STRENGTH))
+    if spec == "ask":
+        return _Arm("ask", None, baseline=("ask", 0.0))
     if spec.startswith("weighted:"):
-        raw = spec.split(":", 1)[1]
-        try:
-            lam = float(raw)
-        except ValueError:
-            lam = float("nan")
-        if not lam == lam or lam < 0:  # NaN or negative
-            raise ConfigurationError(f"--profile {spec!r}: weighted:λ needs a number >= 0, e.g. weighted:4")
-        return _Arm(f"weighted-{raw}", None, baseline=("weighted", lam))
+        return _Arm(f"weighted-{spec.split(':', 1)[1]}", None, baseline=("weighted", _number(spec, "weighted:4")))
+    if spec.startswith("cfg:"):
+        return _Arm(f"cfg-{spec.split(':', 1)[1]}", None, baseline=("cfg", _number(spec, "cfg:1.5")))
     return None
 
 
 def check_engine_arms(specs: Sequence[str], engine: str) -> None:
-    """Refuse, before anything loads, an engine name that is not known, and arms that ``engine`` cannot run:
-    the ``article`` and ``weighted:λ`` baselines are Python logits processors, which vLLM cannot load.
+    """Refuse, before anything loads, an engine name that is not known, a malformed baseline arm, and arms
+    that ``engine`` cannot run: the ``article`` and ``weighted:λ`` baselines are Python logits processors,
+    which vLLM cannot load, and ``cfg:γ`` is transformers' own guidance.
 
-    >>> check_engine_arms(["auto", "weighted:4"], "hf")
+    >>> check_engine_arms(["auto", "weighted:4", "ask"], "hf")
+    >>> check_engine_arms(["auto", "ask"], "vllm")
     >>> check_engine_arms(["auto", "weighted:4"], "vllm")
     Traceback (most recent call last):
     ...
-    narrative_gravity.errors.ConfigurationError: --profile 'weighted:4' (arm `weighted-4`) is a Python logits \
-processor, which vLLM cannot run; evaluate it with --engine hf, or leave it out of the vLLM run
+    narrative_gravity.errors.ConfigurationError: --profile 'weighted:4' (arm `weighted-4`) runs on transformers \
+only; evaluate it with --engine hf, or leave it out of the vLLM run
     """
     check_engine(engine)
+    arms = [(spec, _baseline(spec)) for spec in specs]  # a malformed `weighted:` or `cfg:` fails here
     if engine != "vllm":
         return
-    for spec in specs:
-        arm = _baseline(spec)
-        if arm is not None:
+    for spec, arm in arms:
+        if arm is not None and arm.baseline is not None and arm.baseline[0] not in _ANY_ENGINE:
             raise ConfigurationError(
-                f"--profile {spec!r} (arm `{arm.name}`) is a Python logits processor, which vLLM cannot run; "
+                f"--profile {spec!r} (arm `{arm.name}`) runs on transformers only; "
                 "evaluate it with --engine hf, or leave it out of the vLLM run"
             )
 
@@ -363,6 +389,24 @@ class _FirstStepClock:
         return scores
 
 
+@dataclass(frozen=True)
+class _Guidance:
+    """The ``cfg:γ`` arm: transformers' classifier-free guidance at scale ``γ``, built per batch."""
+
+    scale: float
+
+    def build(self, model: Any, tokenizer: Any, negative: list[list[int]]) -> Any:
+        """The guidance processor of one batch; ``negative``: each row's prompt without the topic."""
+        from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids, mask = left_pad(negative, pad_id)
+        device = next(model.parameters()).device
+        return UnbatchedClassifierFreeGuidanceLogitsProcessor(
+            self.scale, model, unconditional_ids=ids.to(device), unconditional_attention_mask=mask.to(device)
+        )
+
+
 @dataclass
 class _Generated:
     prompt_ids: list[int]
@@ -407,6 +451,8 @@ class _Runner:
     def generate(self, prompts: Sequence[str], seed: int, processor: Any, lead: str | None = None) -> list[_Generated]:
         options = self.options(seed)
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode, lead=lead)
+        if isinstance(processor, _Guidance):  # the negative branch reads the prompts without the topic
+            processor = processor.build(self.model, self.tok, encode_prompts(self.tok, prompts, raw=self.s.raw_mode))
         clock = _FirstStepClock()
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
         procs = [clock] if processor is None else [clock, processor]
@@ -463,6 +509,10 @@ class _Runner:
             from ..baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
 
             kind, lam = base
+            if kind == "ask":
+                return None
+            if kind == "cfg":
+                return _Guidance(lam)
             if kind == "article":
                 return ArticleGravityLogitsProcessor(self.tok, prompt.topic_words, gravity_strength=lam)
             return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
@@ -492,8 +542,15 @@ class _Runner:
         )
 
     def lead(self, arm: str, prompt: EvalPrompt) -> str | None:
-        """The arm's topic sentence for ``prompt`` (its profile's ``lead``), or ``None``."""
-        if arm == CONTROL or self.plan.arms[arm].baseline is not None:
+        """The arm's topic sentence for ``prompt`` (its profile's ``lead``; ``ask`` and ``cfg``: the topic
+        named by its :data:`ASK_WORDS` most central words), or ``None``."""
+        if arm == CONTROL:
+            return None
+        base = self.plan.arms[arm].baseline
+        if base is not None and base[0] in ("ask", "cfg"):
+            ask = Profile(core_semantics=list(prompt.topic_words), lead={"words": ASK_WORDS})
+            return lead_sentence(ask, raw=self.s.raw_mode)
+        if base is not None:
             return None
         return lead_sentence(self.plan.profile_for(arm, prompt), raw=self.s.raw_mode)
 
@@ -530,6 +587,7 @@ class _Runner:
                     tokenizer=self.tok,
                     judge_context=self.judge_context(p.text),
                     required=p.required,
+                    description=p.description,
                 )
             )
         return out
@@ -609,8 +667,11 @@ class _VLLMRunner(_Runner):
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Profile | None:
         if arm == CONTROL:
             return None
-        if self.plan.arms[arm].baseline is not None:  # check_engine_arms refuses these before the run
-            raise ConfigurationError(f"arm `{arm}` is a Python logits processor; run it with --engine hf")
+        base = self.plan.arms[arm].baseline
+        if base is not None and base[0] == "ask":
+            return None
+        if base is not None:  # check_engine_arms refuses these before the run
+            raise ConfigurationError(f"arm `{arm}` runs on transformers only; run it with --engine hf")
         profile = self.pull_profile(arm, prompt)
         # Build its program here, as the engine will: a profile that does not fit the tokenizer fails this
         # batch now, where the engine would run the request without gravity and only log why.
