@@ -13,7 +13,7 @@ from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.eval import EvalSettings, MetricContext, ResultStore, Sample, compute_metrics, run_eval
 from narrative_gravity.eval.chat import CHAT_REQUESTS, chat_prompts
 from narrative_gravity.eval.prompts import limit_prompts, load_prompts
-from narrative_gravity.eval.runner import _Guidance, check_engine_arms
+from narrative_gravity.eval.runner import _Guidance, _Runner, check_engine_arms, make_plan
 from narrative_gravity.generation import encode_prompts
 from narrative_gravity.lead import lead_messages
 from servers import with_chat_template
@@ -148,3 +148,31 @@ def test_ask_and_cfg_arms_run_in_one_chat_eval(chat_model, tmp_path):
         # at γ = 1 guidance is the conditional distribution itself: the same text as ask, token for token
         assert rows[("cfg-1", i)]["token_ids"] == rows[("ask", i)]["token_ids"]
     assert any(rows[("cfg-4", i)]["token_ids"] != rows[("ask", i)]["token_ids"] for i in (0, 1))
+
+
+def test_a_model_without_a_chat_template_chats_in_the_plain_frame(tiny_model, tmp_path):
+    model, tok = tiny_model
+    assert not getattr(tok, "chat_template", None)
+    prompts = tmp_path / "p.jsonl"
+    line = {
+        "prompt": "tell me a story",
+        "topic": ["planet", "orbit", "moon"],
+        "heldout": ["star"],
+        "topic_name": "space",
+    }
+    prompts.write_text(json.dumps(line) + "\n")
+    settings = EvalSettings(
+        prompts=str(prompts), profiles=("ask",), seeds=(0,), max_new_tokens=6, batch_size=1, raw=False,
+        judge="none", metrics=("length",),
+    )  # fmt: skip
+    out = tmp_path / "run"
+    run_eval(settings, out, model=model, tokenizer=tok, progress=False, write_report=False)
+    rows = {r["profile"]: r for r in ResultStore(out / "results.jsonl").load()}
+    assert rows["ask"]["frame"] == "plain" and rows["control"]["frame"] == "plain"
+    runner = _Runner(settings, make_plan(settings), model, tok, MetricContext(), [], lambda _: None)
+    lead = runner.lead("ask", runner.plan.prompts[0])
+    shown = runner.tok.decode(encode_prompts(runner.tok, ["tell me a story"], raw=False, lead=lead)[0])
+    assert shown == f"{tok.bos_token}{lead}\n\nUser: tell me a story\nAssistant:"
+    assert not getattr(tok, "chat_template", None)  # the caller's tokenizer is untouched
+    with pytest.raises(ConfigurationError, match="--chat-frame must be template or plain"):
+        EvalSettings(prompts=str(prompts), profiles=("ask",), chat_frame="chatml")

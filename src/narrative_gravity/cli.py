@@ -503,6 +503,14 @@ def eval_command(
         bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")
     ] = False,
     engine: EngineOpt = "hf",
+    chat_frame: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-frame",
+            help='chat only: `template` (the model\'s chat template) or `plain` ("User: …" / "Assistant:" lines, '
+            "for base models); default: the template where the model has one, else plain",
+        ),
+    ] = None,
 ) -> None:
     """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.
 
@@ -556,6 +564,7 @@ def eval_command(
             resume=resume,
             report_only=report_only,
             engine=engine,
+            chat_frame=chat_frame,
         )
     )
 

@@ -22,6 +22,8 @@ from .lead import lead_messages, lead_text
 
 __all__ = [
     "ENGINES",
+    "NEXT_TURN",
+    "PLAIN_FRAME",
     "GenerationResult",
     "SamplingOptions",
     "chat_ids",
@@ -31,7 +33,9 @@ __all__ = [
     "generate",
     "generated_length",
     "left_pad",
+    "plain_frame",
     "sample_ids",
+    "until_next_turn",
     "vllm_engine",
 ]
 
@@ -168,6 +172,50 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# A chat frame for base models, which have no chat template of their own: the system message as a paragraph,
+# then "User: …" and "Assistant: …" lines. A base model goes on to write the next "User:" line itself, so an
+# answer ends where one starts (:func:`until_next_turn`).
+PLAIN_FRAME = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+NEXT_TURN = "\nUser:"
+
+
+def plain_frame(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` that writes chats in :data:`PLAIN_FRAME` (the caller's tokenizer is untouched)."""
+    import copy
+
+    framed = copy.copy(tokenizer)
+    framed.chat_template = PLAIN_FRAME
+    return framed
+
+
+def until_next_turn(tokenizer: Any, ids: list[int], marker: str = NEXT_TURN) -> list[int]:
+    r"""``ids`` up to the token where the decoded text starts ``marker`` (the model writing the user's next
+    turn), or all of them.
+
+    >>> class Chars:  # a tokenizer whose tokens are characters
+    ...     def decode(self, ids, skip_special_tokens=True):
+    ...         return "".join(map(chr, ids))
+    >>> "".join(map(chr, until_next_turn(Chars(), [ord(c) for c in "Hi!\nUser: more"])))
+    'Hi!'
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    at = text.find(marker)
+    if at < 0:
+        return ids
+    lo, hi = 0, len(ids)  # the fewest tokens whose text reaches the marker's first character
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) > at:
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[: max(lo - 1, 0)]
 
 
 def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

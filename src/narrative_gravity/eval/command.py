@@ -73,6 +73,7 @@ def run_command(
     resume: bool = False,
     report_only: bool = False,
     engine: str = "hf",
+    chat_frame: str | None = None,
 ) -> dict[str, Any]:
     """Run ``ngrav eval``; returns the summary."""
     import time
@@ -105,6 +106,7 @@ def run_command(
         limit_prompts=limit_prompts,
         auto_template=auto_template,
         engine=engine,
+        chat_frame=chat_frame,
     )
     t0 = time.perf_counter()
     try:

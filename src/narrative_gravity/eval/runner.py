@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, NarrativeGravityError
-from ..generation import SamplingOptions, check_engine, encode_prompts, left_pad, sample_ids, vllm_engine
+from ..generation import (
+    SamplingOptions,
+    check_engine,
+    encode_prompts,
+    left_pad,
+    plain_frame,
+    sample_ids,
+    until_next_turn,
+    vllm_engine,
+)
 from ..gravity.thermo import Trace
 from ..lead import lead_sentence, reading_profile
 from ..profile import TOPIC_DEFAULTS, Profile
@@ -49,6 +58,7 @@ from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 __all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "check_engine_arms", "run_eval"]
 
 AUTO = "auto"
+CHAT_FRAMES = (None, "template", "plain")
 TRACE_KEYS = ("entropy", "mass", "mass_after", "kl", "strength")
 # The default topic profile, which `--profile auto` starts from; `core_semantics` is replaced by each topic's
 # conditioning words (see `TOPIC_DEFAULTS`).
@@ -60,7 +70,10 @@ class EvalSettings:
     """Everything that decides what a run generates. A resumed run must use the same settings.
 
     ``raw=None`` means: plain continuation for the built-in topic sets (``topics``, ``empath`` and their
-    tuning splits: the protocol continues prefixes), the chat template otherwise. ``judge="none"`` turns the
+    tuning splits: the protocol continues prefixes), chat otherwise. In chat, ``chat_frame`` ``template`` is the
+    model's chat template and ``plain`` a "User:/Assistant:" frame for base models
+    (:data:`~narrative_gravity.generation.PLAIN_FRAME`; an answer ends where the model starts the next "User:"
+    line); ``None``: the template where the tokenizer has one, else the plain frame. ``judge="none"`` turns the
     judge off (and with it ``judge_ppl``). ``engine`` is ``hf`` (transformers) or ``vllm`` (see the module doc).
     """
 
@@ -78,6 +91,7 @@ class EvalSettings:
     limit_prompts: int | None = None
     auto_template: str | None = None
     engine: str = "hf"
+    chat_frame: str | None = None
 
     def __post_init__(self) -> None:
         if not self.profiles:
@@ -90,6 +104,11 @@ class EvalSettings:
             raise ConfigurationError(f"`batch_size` has to be >= 1, but is {self.batch_size}")
         if self.max_new_tokens < 1:
             raise ConfigurationError(f"`max_new_tokens` has to be >= 1, but is {self.max_new_tokens}")
+        if self.chat_frame not in CHAT_FRAMES:
+            raise ConfigurationError(
+                f"--chat-frame must be template or plain (or left out: the model's template, else plain), "
+                f"got {self.chat_frame!r}"
+            )
         check_engine_arms(self.profiles, self.engine)
 
     @property
@@ -434,10 +453,20 @@ class _Runner:
         self.s = settings
         self.plan = plan
         self.model = model
-        self.tok = tokenizer
+        self.plain_frame = not settings.raw_mode and (
+            settings.chat_frame == "plain"
+            or (settings.chat_frame is None and not getattr(tokenizer, "chat_template", None))
+        )
+        self.tok = plain_frame(tokenizer) if self.plain_frame else tokenizer
         self.ctx = ctx
         self.metrics = metrics
         self.say = report
+        if self.plain_frame:
+            report('chat in the plain frame ("User: …" / "Assistant:"); an answer ends where a "User:" line starts')
+
+    def answer(self, ids: list[int]) -> list[int]:
+        """A generated row as scored: in the plain frame, up to the model's own next "User:" line."""
+        return until_next_turn(self.tok, ids) if self.plain_frame else ids
 
     def options(self, seed: int, max_new_tokens: int | None = None) -> SamplingOptions:
         """The run's sampling settings with ``seed`` (and another budget, for a warm-up)."""
@@ -457,7 +486,7 @@ class _Runner:
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
         procs = [clock] if processor is None else [clock, processor]
         t0 = time.perf_counter()
-        rows = sample_ids(self.model, self.tok, encoded, options, procs)
+        rows = [self.answer(r) for r in sample_ids(self.model, self.tok, encoded, options, procs)]
         elapsed = time.perf_counter() - t0
         ttft = (clock.t - t0) if clock.t is not None else float("nan")
         lengths = [len(row) for row in rows]
@@ -621,6 +650,8 @@ class _Runner:
                 "batch_s": round(g.latency, 4),
                 "metric_s": round(metric_s, 4),
             }
+            if self.plain_frame:
+                row["frame"] = "plain"
             if arm == CONTROL:
                 row["metrics"] = per_arm[chunk.arms[0]][j]
                 row["metrics_vs"] = {a: v[j] for a, v in per_arm.items()}
@@ -686,8 +717,8 @@ class _VLLMRunner(_Runner):
         return [
             _Generated(
                 prompt_ids=out.prompt_ids,
-                token_ids=out.token_ids,
-                text=self.gen.decode(out.token_ids),
+                token_ids=self.answer(out.token_ids),
+                text=self.gen.decode(self.answer(out.token_ids)),
                 trace=out.trace,
                 trace_means=out.trace_means(),
                 seconds=elapsed / len(prompts),
