@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.context import prune_context
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
+from narrative_gravity.levels.context import prune_context
 from narrative_gravity.ragbench import build_cases, exact_match_rank, load_news_articles
 
 PROMPT = (
@@ -105,7 +105,7 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
 def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, max_new_tokens: int) -> dict[str, Any]:
     import torch
 
-    from narrative_gravity.generation import SamplingOptions, encode_prompts, generate
+    from narrative_gravity.engines.hf_generate import SamplingOptions, encode_prompts, generate
 
     opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0)
     prompts, prune_s = [], []
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--encoder",
         choices=["minilm", "tokens"],
         default="minilm",
-        help="passage embeddings: MiniLM, or the token table of narrative_gravity.token_encoder",
+        help="passage embeddings: MiniLM, or the token table of narrative_gravity.levels.token_encoder",
     )
     args = ap.parse_args(argv)
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(cases)} cases (seed {args.seed}) built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     model, tok = load_model()
     if args.encoder == "tokens":
-        from narrative_gravity.token_encoder import token_encoder
+        from narrative_gravity.levels.token_encoder import token_encoder
 
         enc = token_encoder(tok)  # type: ignore[assignment]
     budgets = [float(b) for b in args.budgets.split(",")]

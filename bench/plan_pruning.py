@@ -8,7 +8,7 @@ For every topic prompt and seed, on SmolLM2-135M-Instruct (sampling: temperature
 - ``best-of-4, picked by the prompt``: the same four samples, but the one kept is the one a deployed best-of-4
   could pick: the highest MiniLM cosine to the *prompt* (the topic sentence is the evaluation's, unseen). The
   plan's openings pick with the same scorer.
-- ``plan``: :func:`narrative_gravity.plan.plan_then_write` with its defaults: ``--drafts`` (2) outline drafts
+- ``plan``: :func:`narrative_gravity.levels.plan.plan_then_write` with its defaults: ``--drafts`` (2) outline drafts
   of at most ``--outline-tokens`` (28) tokens in one batch, the best by fit and coherence kept; then
   ``--openings`` (3) openings of ``--opening-tokens`` (24) tokens sampled in one batch under the staged field,
   the one closest to the prompt kept and continued to ``--new-tokens`` tokens in all. The outline is written
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
 
 TOPICS = [
     ("Write a short article about the history of the telescope.", "the history of the telescope and astronomy"),
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from narrative_gravity.embeddings import encode
-    from narrative_gravity.generation import SamplingOptions, generate
+    from narrative_gravity.engines.hf_generate import SamplingOptions, generate
+    from narrative_gravity.levels.plan import plan_then_write
     from narrative_gravity.models import load_model
-    from narrative_gravity.plan import plan_then_write
 
     model, tok = load_model()
     rows: list[dict[str, Any]] = []

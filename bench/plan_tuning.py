@@ -2,7 +2,7 @@
 
 Best-of-4 is the expensive part of ``bench/plan_pruning.py`` and its samples do not change with the plan's
 settings, so a tuning round reuses them: each arm (keyword arguments of
-:func:`narrative_gravity.plan.plan_then_write`) is run on the given topics and seeds, and its relevance is
+:func:`narrative_gravity.levels.plan.plan_then_write`) is run on the given topics and seeds, and its relevance is
 paired with the saved run's oracle best-of-4 for the same prompt and seed.
 
 Run (the arms of docs/pruning.md's tuning table)::
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
 from plan_pruning import TOPICS, _rel
 
 
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from narrative_gravity.embeddings import encode
+    from narrative_gravity.levels.plan import plan_then_write
     from narrative_gravity.models import load_model
-    from narrative_gravity.plan import plan_then_write
 
     model, tok = load_model()
     rows: list[dict[str, Any]] = []

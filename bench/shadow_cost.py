@@ -120,8 +120,8 @@ async def send_all(url: str, args: argparse.Namespace) -> tuple[list[float], flo
 
 
 def run(backend: Any, args: argparse.Namespace, shadow: float) -> dict[str, Any]:
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = ProfileStore(tmp)
@@ -185,7 +185,7 @@ def main() -> None:
 
     import torch
 
-    from narrative_gravity.rollout import RolloutConfig, route, route_key
+    from narrative_gravity.profiles.rollout import RolloutConfig, route, route_key
     from narrative_gravity.server import HFBackend
 
     backend = HFBackend.load(args.model)

@@ -226,10 +226,10 @@ def step_cost(batch: int = 8, steps: int = 48, repeats: int = 3) -> dict[str, An
     ``response_format``."""
     import torch
 
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
     from narrative_gravity.server import HFBackend
     from narrative_gravity.server import grammar as grammar_module
-    from narrative_gravity.server.backend import ResolvedGravity, Sampling
+    from narrative_gravity.server.backends.base import ResolvedGravity, Sampling
     from narrative_gravity.server.scheduler import Job
     from narrative_gravity.server.structured import ResponseFormat
 

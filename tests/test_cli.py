@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import _read_prompts, app
+from narrative_gravity.cli.main import _read_prompts, app
 
 runner = CliRunner()
 
@@ -214,7 +214,7 @@ def test_generate_writes_each_batch_as_it_finishes(tiny_folder, tmp_path):
     total = 400
     prompts.write_text("".join(f"The planet {i}\n" for i in range(total)))
     out = tmp_path / "o.jsonl"
-    cmd = [sys.executable, "-m", "narrative_gravity.cli", "generate", "--prompts", str(prompts), "--no-gravity"]
+    cmd = [sys.executable, "-m", "narrative_gravity.cli.main", "generate", "--prompts", str(prompts), "--no-gravity"]
     cmd += ["--output", str(out), "--model", str(tiny_folder), "--batch-size", "1", "--max-new-tokens", "4", "--raw"]
     # a shell that starts the tests in the background hands its children SIGINT ignored; undo that
     proc = subprocess.Popen(

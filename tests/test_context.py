@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import app
-from narrative_gravity.context import (
+from narrative_gravity.cli.main import app
+from narrative_gravity.errors import ConfigurationError
+from narrative_gravity.levels.context import (
     BM25,
     cluster_embeddings,
     content_words,
@@ -20,8 +21,7 @@ from narrative_gravity.context import (
     result_table,
     stem,
 )
-from narrative_gravity.errors import ConfigurationError
-from narrative_gravity.profile import Profile
+from narrative_gravity.profiles.schema import Profile
 from narrative_gravity.ragbench import (
     Document,
     build_cases,

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from narrative_gravity.compare import compare_runs, summarize
-from narrative_gravity.generation import SamplingOptions, generate
+from narrative_gravity.engines.hf_generate import SamplingOptions, generate
 from narrative_gravity.gravity.thermo import Trace
 from narrative_gravity.models import load_model, resolve_cache_dir
-from narrative_gravity.profile import Profile, load_profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.schema import Profile, load_profile
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,7 @@ def test_trace_records_every_step(smollm2, profile):
 def test_cli_generate_writes_jsonl(smollm2, tmp_path):
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Explain binary search."}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
@@ -137,7 +137,7 @@ def test_cli_generate_writes_jsonl(smollm2, tmp_path):
 def test_cli_compare_prints_table_and_plot(smollm2, tmp_path):
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     plot, js = tmp_path / "t.png", tmp_path / "c.json"
     args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "2", "--max-new-tokens", "12",

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from narrative_gravity.engines.hf_generate import SamplingOptions, encode_prompts, generate, sample_ids
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.generation import SamplingOptions, encode_prompts, generate, sample_ids
 from narrative_gravity.lead import (
     central_words,
     join_words,
@@ -17,7 +17,7 @@ from narrative_gravity.lead import (
     lead_text,
     reading_profile,
 )
-from narrative_gravity.profile import Profile
+from narrative_gravity.profiles.schema import Profile
 
 SPACE = ["planet", "orbit", "galaxy", "telescope", "astronaut", "banana"]
 
@@ -215,8 +215,8 @@ def test_the_sentence_can_name_the_required_words_per_prompt(tiny_model, tmp_pat
 
 def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny_backend, tmp_path) -> None:
     pytest.importorskip("fastapi")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
     from servers import RunningServer
 
     store = ProfileStore(tmp_path / "store")
@@ -272,8 +272,8 @@ def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny
 
 
 def test_the_server_pulls_a_topic_default_as_read_and_measures_it_plain(tmp_path) -> None:
-    from narrative_gravity.server.gravity import GravityResolver
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.profiles.store import ProfileStore
+    from narrative_gravity.server.resolver import GravityResolver
 
     resolver = GravityResolver(ProfileStore(tmp_path / "store"))
     served = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=False)

@@ -8,7 +8,7 @@ import torch
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
-from narrative_gravity.memory import Conversation, TopicMemory, merge_fields, weighted_lexical_field
+from narrative_gravity.levels.memory import Conversation, TopicMemory, merge_fields, weighted_lexical_field
 
 TURNS = [
     "Tell me about the planet and its orbit.",
@@ -99,7 +99,7 @@ def test_conversation_three_turns_on_a_tiny_model(tiny_model):
 
 
 def test_conversation_with_a_profile_keeps_its_penalties(tiny_model):
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     model, tok = tiny_model
     prof = Profile(core_semantics=["orbit"], penalize=["comet"], schedule="constant")

@@ -170,8 +170,8 @@ def test_profile_neighbours_pull_split_words_piece_by_piece(
     cache_dir: Path, furniture: dict[str, float], tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from narrative_gravity.models import CACHE_ENV
-    from narrative_gravity.profile import Profile
-    from narrative_gravity.steer import field_from_profile
+    from narrative_gravity.profiles.build import field_from_profile
+    from narrative_gravity.profiles.schema import Profile
 
     monkeypatch.setenv(CACHE_ENV, str(cache_dir))  # the word matrix of the module's fixture
     field = {"neighbours_vocabulary": VOCABULARY}

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import narrative_gravity.plan as plan_mod
-from narrative_gravity.context import hashing_encoder
+import narrative_gravity.levels.plan as plan_mod
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
 from narrative_gravity.gravity.stages import StagePlan
-from narrative_gravity.plan import (
+from narrative_gravity.levels.context import hashing_encoder
+from narrative_gravity.levels.plan import (
     Outline,
     parse_outline,
     parse_stages,
@@ -311,7 +311,7 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
 
 def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny_model, monkeypatch):
     from narrative_gravity.gravity.controllers import ConstantController, ThermostatController
-    from narrative_gravity.profile import TOPIC_DEFAULTS
+    from narrative_gravity.profiles.schema import TOPIC_DEFAULTS
 
     model, tok = tiny_model
     built = []
@@ -408,7 +408,7 @@ def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):
 
 
 def _staged_profile(**extra):
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     return Profile.from_mapping(
         {
@@ -426,7 +426,7 @@ def _staged_profile(**extra):
 
 def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
     from narrative_gravity.gravity.thermo import Trace
-    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.profiles.build import processor_from_profile
 
     tok = tiny_tokenizer
     trace = Trace()
@@ -448,7 +448,7 @@ def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
 
 def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(tiny_tokenizer):
     from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
-    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.profiles.build import processor_from_profile
 
     with pytest.raises(ConfigurationError, match="pass max_new_tokens"):
         processor_from_profile(_staged_profile(), tiny_tokenizer)
@@ -468,7 +468,7 @@ def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(ti
 )
 def test_profile_stage_errors_name_the_key(stages, message):
     from narrative_gravity.errors import ProfileError
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     with pytest.raises(ProfileError, match=message):
         Profile.from_mapping({"core_semantics": ["x"], "stages": stages})
@@ -483,7 +483,7 @@ def test_cli_plan_prints_the_drafts_stages_and_text(tiny_model, tmp_path):
 
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     model, tok = tiny_model
     model_dir = tmp_path / "tiny"

@@ -28,10 +28,10 @@ httpx = pytest.importorskip("httpx")
 
 import yaml  # noqa: E402
 
-from narrative_gravity.profile import Profile  # noqa: E402
+from narrative_gravity.profiles.schema import Profile  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.playground import topic_profile  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
+from narrative_gravity.server.routes.playground import topic_profile  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,7 +333,7 @@ def ngrav_serve(store: Path) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-c", "from narrative_gravity.cli import main; main()", "serve"]
+    cmd = [sys.executable, "-c", "from narrative_gravity.cli.main import main; main()", "serve"]
     cmd += ["--port", str(port), "--store", str(store), "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log = store.parent / "serve.log"

@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.profile: Profile validation and load_profile (JSON / YAML)."""
+"""Tests for narrative_gravity.profiles.schema: Profile validation and load_profile (JSON / YAML)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
 from narrative_gravity.gravity.controllers import PhaseScheduleController
-from narrative_gravity.profile import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
+from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
 
 CLASSIC = {
     "task_type": "code_generation",

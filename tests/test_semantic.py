@@ -20,8 +20,8 @@ from narrative_gravity.fields import (
     semantic_scores,
 )
 from narrative_gravity.fields import semantic as sem
-from narrative_gravity.profile import Profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.schema import Profile
 
 DIM = 16
 

@@ -19,9 +19,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from narrative_gravity.errors import ConfigurationError  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.backend import RowStats, TokenCallback  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
+from narrative_gravity.server.backends.base import RowStats, TokenCallback  # noqa: E402
 from servers import RunningServer, with_chat_template  # noqa: E402
 
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
@@ -224,7 +224,7 @@ def test_semantic_field_disk_cache_is_bounded(tiny_model: tuple[Any, Any], tmp_p
 def test_empty_api_key_and_open_bind_without_a_key_are_refused(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     with pytest.raises(ConfigurationError, match="NGRAV_API_KEY"):
         ServerConfig(api_key="")

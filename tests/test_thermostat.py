@@ -16,8 +16,8 @@ from narrative_gravity.gravity import thermo
 from narrative_gravity.gravity.controllers import StepContext, StrengthController, ThermostatController
 from narrative_gravity.gravity.solve import MAX_THERMOSTAT_STRENGTH, MassProblem, solve_strength
 from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
-from narrative_gravity.profile import Profile
-from narrative_gravity.steer import controller_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import controller_from_profile, processor_from_profile
+from narrative_gravity.profiles.schema import Profile
 
 ITERS = 14
 LAM_MAX = 8.0

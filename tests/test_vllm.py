@@ -37,16 +37,16 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from narrative_gravity.cli import app
+from narrative_gravity.cli.main import app
+from narrative_gravity.engines.hf_generate import SamplingOptions, vllm_engine
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
     _V2LogitsProcessor,
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.generation import SamplingOptions, vllm_engine
-from narrative_gravity.profile import TOPIC_DEFAULTS, Profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, Profile
 
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 
@@ -585,9 +585,9 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
 
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.server.vllm import VLLMBackend
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.server.backends.vllm import VLLMBackend
     from servers import RunningServer
 
     tok = runs["llm"].get_tokenizer()
@@ -639,9 +639,9 @@ PHASES = {"core_semantics": ["planet", "orbit"], "schedule": "phases"}
 def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``ngrav serve --engine vllm`` as the CLI builds it (vLLM's stats on), on a loopback port."""
     pytest.importorskip("fastapi")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.server.vllm import VLLMBackend
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.server.backends.vllm import VLLMBackend
     from servers import RunningServer
 
     backend = VLLMBackend.load(max_num_seqs=8, max_model_len=512, kv_cache_mb=64)
@@ -801,7 +801,7 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     submitted with it decodes to the end."""
     import threading
 
-    from narrative_gravity.server.backend import Sampling
+    from narrative_gravity.server.backends.base import Sampling
 
     _, backend = served
     greedy = Sampling(temperature=0.0)
@@ -840,7 +840,7 @@ def test_vllm_backend_a_burst_of_seeded_long_prompts_all_finish(served: Any) -> 
     the CPU the backend turns chunked prefill off, and paces the burst over steps (``prefill_tokens``)."""
     import threading
 
-    from narrative_gravity.server.backend import Sampling
+    from narrative_gravity.server.backends.base import Sampling
 
     _, backend = served
     scheduler = backend.engine.vllm_config.scheduler_config
@@ -872,7 +872,7 @@ def test_vllm_backend_paces_a_burst_by_prompt_tokens(served: Any) -> None:
     always at least one (a longer prompt goes alone); 0 admits everything that arrived."""
     from collections import deque
 
-    from narrative_gravity.server.vllm import VLLMBackend
+    from narrative_gravity.server.backends.vllm import VLLMBackend
 
     _, running_backend = served
     backend = VLLMBackend(running_backend.llm, model_id="smollm2", prefill_tokens=100)  # its thread never starts
@@ -1100,7 +1100,7 @@ def test_cli_eval_on_vllm_reports_the_gravity_arms_trace(generator: Any, tmp_pat
 def test_the_cli_does_not_import_vllm_until_the_engine_is_chosen() -> None:
     """vLLM is heavy: `ngrav --help` never imports it, even where it is installed."""
     code = (
-        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli import app; "
+        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli.main import app; "
         "[CliRunner().invoke(app, [c, '--help']) for c in ('generate', 'eval')]; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
     )

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .generation import GenerationResult, SamplingOptions, encode_prompts, generate
+from .engines.hf_generate import GenerationResult, SamplingOptions, encode_prompts, generate
+from .eval.text_metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
 from .lead import lead_sentence, reading_profile
-from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
-from .profile import Profile
-from .steer import field_from_profile, processor_from_profile
+from .profiles.build import field_from_profile, processor_from_profile
+from .profiles.schema import Profile
 
 __all__ = ["ComparisonRow", "compare_runs", "row_metrics", "run_compare", "summarize", "summarize_metrics"]
 

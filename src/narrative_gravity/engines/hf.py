@@ -52,7 +52,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             it (prompt tokens do not count). ``1`` = no change; below 1 the pull moves on to narrative tokens
             not yet written, which spreads the text over its topic instead of repeating one word.
         stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
-            :func:`narrative_gravity.plan.stage_plan`): each row pulls toward its current stage's field
+            :func:`narrative_gravity.levels.plan.stage_plan`): each row pulls toward its current stage's field
             instead of ``field``; :attr:`stage` holds each row's stage after a call.
         requirement: words the text must contain before it ends
             (:class:`~narrative_gravity.gravity.require.Requirement`, built by
@@ -60,7 +60,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         inplace: pull the scores where they are and return them, instead of a new tensor (saves a copy of
             ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
             so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
-            default; ``ngrav`` turns it on (narrative_gravity.steer.processor_from_profile's ``inplace``).
+            default; ``ngrav`` turns it on (narrative_gravity.profiles.build.processor_from_profile's ``inplace``).
 
     By default scores are returned as a new tensor and the input is never modified.
     """
@@ -89,7 +89,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if stages is not None and not isinstance(stages, StagePlan):
             raise ConfigurationError(
                 f"`stages` has to be a StagePlan, but is {type(stages).__name__}; build one with "
-                "narrative_gravity.plan.stage_plan(tokenizer, stages)"
+                "narrative_gravity.levels.plan.stage_plan(tokenizer, stages)"
             )
         if controller is not None and strength is not None:
             raise ConfigurationError("give either `controller` or `strength`, not both")

@@ -42,8 +42,8 @@ import torch
 from ..errors import ProfileError
 from ..gravity.kernel import GravityKernel, Program
 from ..gravity.thermo import METRICS
-from ..profile import Profile
-from ..steer import program_from_profile
+from ..profiles.build import program_from_profile
+from ..profiles.schema import Profile
 
 try:  # vLLM is an optional extra: the module imports without it (for docs and doctests) but cannot run.
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality

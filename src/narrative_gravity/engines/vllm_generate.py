@@ -3,7 +3,7 @@
 :class:`VLLMGenerator` holds one ``vllm.LLM`` with
 :class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor` and the model's Hugging Face
 tokenizer. Prompts are encoded by the caller exactly as for the transformers engine (chat template or raw
-text, :func:`~narrative_gravity.generation.encode_prompts`) and sent as token ids, each request with its
+text, :func:`~narrative_gravity.engines.hf_generate.encode_prompts`) and sent as token ids, each request with its
 sampling settings and its profile in ``SamplingParams(extra_args={"gravity": ...})`` (or none, for plain
 decoding). vLLM batches the requests itself.
 
@@ -13,7 +13,7 @@ its request by its tokens when the call ends. Requests without gravity keep no t
 process only, so the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here).
 
 vLLM lives in its own venv (``bash scripts/setup_vllm.sh``). Without it this module still imports (for docs
-and doctests), with :data:`VLLM_IMPORT_ERROR` set; :func:`narrative_gravity.generation.vllm_engine` turns that
+and doctests), with :data:`VLLM_IMPORT_ERROR` set; :func:`narrative_gravity.engines.hf_generate.vllm_engine` turns that
 into an error naming the setup. It imports vLLM itself, so it is imported only when the vLLM engine is chosen.
 """
 
@@ -34,11 +34,11 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..errors import ConfigurationError
-from ..generation import GenerationResult, SamplingOptions, encode_prompts
 from ..gravity.thermo import METRICS
 from ..lead import lead_sentence, reading_profile
 from ..models import hf_folder
-from ..profile import Profile
+from ..profiles.schema import Profile
+from .hf_generate import GenerationResult, SamplingOptions, encode_prompts
 from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
 
 try:  # the optional extra; see the module doc
@@ -243,7 +243,7 @@ class VLLMGenerator:
         record_trace: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
-        """:func:`narrative_gravity.generation.generate` on this engine, for one batch of ``prompts``: the same
+        """:func:`narrative_gravity.engines.hf_generate.generate` on this engine, for one batch of ``prompts``: the same
         encoding (chat template, or plain text with ``raw``), the same result fields, ``profile`` on every
         request (``None``: plain decoding, and no trace), and its topic sentence (``lead``) before every prompt.
         ``seconds`` is each prompt's share of the call."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..metrics import is_cjk, token_field_values
 from ..text import ngrams
+from .text_metrics import is_cjk, token_field_values
 
 __all__ = [
     "METRICS",

@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engines.hf_generate import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
 from ..errors import ConfigurationError, NarrativeGravityError
-from ..generation import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
 from ..gravity.thermo import Trace
 from ..lead import lead_sentence, reading_profile
-from ..profile import TOPIC_DEFAULTS, Profile
-from ..steer import field_from_profile, program_from_profile
+from ..profiles.build import field_from_profile, program_from_profile
+from ..profiles.schema import TOPIC_DEFAULTS, Profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
 from .prompts import TOPIC_SETS, EvalPrompt, limit_prompts, load_prompts
@@ -223,7 +223,7 @@ processor, which vLLM cannot run; evaluate it with --engine hf, or leave it out 
 
 def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
     """Arms from ``--profile`` specs: a profile file, ``auto``, ``auto:TEMPLATE_FILE``, ``article``, ``weighted:λ``."""
-    from ..profile import load_profile
+    from ..profiles.schema import load_profile
 
     arms: dict[str, _Arm] = {}
     for spec in specs:
@@ -248,7 +248,7 @@ def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
 
 def make_plan(settings: EvalSettings, prompts: Sequence[EvalPrompt] | None = None) -> _Plan:
     """Load prompts and profiles, assign profiles to prompts, and cut the batches (see the module doc)."""
-    from ..profile import load_profile
+    from ..profiles.schema import load_profile
 
     items = limit_prompts(prompts if prompts is not None else load_prompts(settings.prompts), settings.limit_prompts)
     arms = _load_arms(settings.profiles)
@@ -456,11 +456,11 @@ class _Runner:
         from ..engines.hf import NarrativeGravityLogitsProcessor
         from ..fields import NarrativeField
         from ..gravity.thermo import Trace
-        from ..steer import processor_from_profile
+        from ..profiles.build import processor_from_profile
 
         base = self.plan.arms[arm].baseline if arm != CONTROL else None
         if base is not None:
-            from ..baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
+            from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
 
             kind, lam = base
             if kind == "article":

@@ -8,7 +8,7 @@ Start it with ``ngrav serve`` (see ``docs/server.md``), or build the app yoursel
     app = create_app(backend, config=ServerConfig(api_key="secret"))   # any ASGI server runs it
 
 Requests are the OpenAI chat and completions requests plus one field, ``gravity``: an inline profile mapping,
-or ``{"profile": "name"}`` (optionally ``"version": N``) from the :class:`~narrative_gravity.store.ProfileStore`.
+or ``{"profile": "name"}`` (optionally ``"version": N``) from the :class:`~narrative_gravity.profiles.store.ProfileStore`.
 Concurrent requests are batched into one ``model.generate`` call (see :mod:`.scheduler`).
 
 Only :mod:`.app` needs FastAPI and uvicorn; the backend, scheduler and helpers import without them.
@@ -21,9 +21,9 @@ from typing import Any
 __all__ = ["Backend", "HFBackend", "ServerConfig", "create_app", "make_backend", "serve"]
 
 _WHERE = {
-    "Backend": ".backend",
-    "make_backend": ".factory",
-    "HFBackend": ".hf",
+    "Backend": ".backends.base",
+    "make_backend": ".backends",
+    "HFBackend": ".backends.hf",
     "ServerConfig": ".config",
     "create_app": ".app",
     "serve": ".app",

@@ -13,7 +13,7 @@ Routes (all but ``/health`` need ``Authorization: Bearer KEY`` when the server h
 - ``GET /metrics`` (Prometheus text) and ``GET /health``.
 - The playground: the page at ``GET /`` (open, like its files under ``/playground/``) and the routes it adds for
   scripts too, ``GET /v1/playground``, ``POST /v1/validate``, ``POST /v1/score`` (see
-  :mod:`~narrative_gravity.server.playground`).
+  :mod:`~narrative_gravity.server.routes.playground`).
 
 With ``"stream_options": {"include_trace": true}`` every streamed chunk's choice lists the tokens it carries,
 ``"tokens": [{"id", "strength", "entropy", "mass", "mass_after", "kl"}, ...]`` (λ and the step's measurements;
@@ -56,18 +56,15 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 else:
     _MISSING = None
 
-from ..profile import Profile
-from ..rollout import route_key
-from ..store import ProfileStore, StoreDamagedError
+from ..profiles.rollout import route_key
+from ..profiles.schema import Profile
+from ..profiles.store import ProfileStore, StoreDamagedError
 from .arms import ArmRecorder
-from .backend import Backend, ResolvedGravity, RowStats, Sampling
+from .backends.base import Backend, ResolvedGravity, RowStats, Sampling
 from .config import ServerConfig
 from .detok import ChoiceText
-from .gravity import GravityResolver, public_message, request_lead, with_lead
+from .levels import PipelineRun, plan_request, request_passages
 from .limits import check_gravity, check_profile
-from .metrics import CONTENT_TYPE, Metrics
-from .pipeline import PipelineRun, plan_request, request_passages
-from .playground import add_playground
 from .protocol import (
     APIError,
     ChatRequest,
@@ -79,10 +76,13 @@ from .protocol import (
     parse_json,
     parse_request,
 )
-from .rollout_routes import add_rollout_routes
+from .resolver import GravityResolver, public_message, request_lead, with_lead
+from .routes.playground import add_playground
+from .routes.rollout import add_rollout_routes
 from .scheduler import Job, make_scheduler
 from .shadow import FollowUps
 from .structured import check_response_format, parse_response_format
+from .telemetry import CONTENT_TYPE, Metrics
 
 __all__ = ["create_app", "serve", "uvicorn_config"]
 
@@ -314,7 +314,7 @@ def create_app(
     store: ProfileStore | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
-    """The ASGI app serving ``backend``. ``store`` defaults to :func:`~narrative_gravity.store.default_store_root`."""
+    """The ASGI app serving ``backend``. ``store`` defaults to :func:`~narrative_gravity.profiles.store.default_store_root`."""
     _require_server_extra()
     config = config or ServerConfig()
     store = store if store is not None else ProfileStore()
@@ -989,7 +989,7 @@ def serve(
 
     from ..fields.semantic import set_field_cache_limit
     from ..models import resolve_device
-    from .factory import make_backend
+    from .backends import make_backend
 
     if engine == "hf":  # a device this machine lacks fails here, before the store or the model is touched
         device = resolve_device(device)

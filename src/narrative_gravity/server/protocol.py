@@ -203,7 +203,7 @@ class ChatRequest(_Request):
     response_format: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
-    documents: Any = None  # an extension: retrieved passages for the pipeline (narrative_gravity.pipeline)
+    documents: Any = None  # an extension: retrieved passages for the pipeline (narrative_gravity.levels.pipeline)
 
 
 class CompletionRequest(_Request):

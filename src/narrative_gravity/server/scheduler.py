@@ -1,7 +1,7 @@
 """Batch concurrent requests into one ``generate`` call at a time, or hand them to an engine that batches by step.
 
 :func:`make_scheduler` picks :class:`ContinuousScheduler` for a
-:class:`~narrative_gravity.server.backend.ContinuousBackend` (vLLM) and :class:`BatchScheduler` otherwise.
+:class:`~narrative_gravity.server.backends.base.ContinuousBackend` (vLLM) and :class:`BatchScheduler` otherwise.
 
 **BatchScheduler.**
 Each request becomes one or more rows (prompts × ``n``) in a FIFO queue. A single scheduler task takes the
@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .backend import (
+from .backends.base import (
     Backend,
     ContinuousBackend,
     GenerationRow,
@@ -66,8 +66,8 @@ from .backend import (
     TokenStats,
 )
 from .config import ServerConfig
-from .metrics import Metrics
 from .protocol import APIError
+from .telemetry import Metrics
 
 __all__ = ["BatchScheduler", "ContinuousScheduler", "Job", "Row", "make_scheduler"]
 
@@ -109,7 +109,7 @@ log = logging.getLogger("narrative_gravity.server")
 
 @dataclass(eq=False)
 class Row:
-    """One sequence to generate: a choice of a request (see :class:`~narrative_gravity.server.backend.GenerationRow`)."""
+    """One sequence to generate: a choice of a request (see :class:`~narrative_gravity.server.backends.base.GenerationRow`)."""
 
     job: Job
     index: int

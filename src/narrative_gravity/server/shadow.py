@@ -3,7 +3,7 @@ shadow for it, the same request runs again without gravity, in the background.
 
 The shadow has the request's prompt ids (without the profile's topic sentence, ``lead``: plain decoding reads the
 prompt as it came) and sampling settings (seed included), and the ``measure_only`` profile of
-the version that answered it (:meth:`~narrative_gravity.server.gravity.GravityResolver.shadow_of`), so its narrative
+the version that answered it (:meth:`~narrative_gravity.server.resolver.GravityResolver.shadow_of`), so its narrative
 mass, entropy and off-topic rate are measured against the same field while nothing pulls. Its text is never sent.
 
 Why a shadow never fails or slows the request it shadows, and costs at most what it measures:
@@ -31,15 +31,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..rollout import SPLIT_A, SPLIT_B
+from ..profiles.rollout import SPLIT_A, SPLIT_B
 from .arms import ArmRecord, ArmRecorder, mean_stats
-from .backend import Backend, ResolvedGravity, RowStats
+from .backends.base import Backend, ResolvedGravity, RowStats
 from .config import ServerConfig
-from .gravity import GravityResolver
 from .limits import check_gravity
-from .metrics import Metrics
 from .protocol import APIError
+from .resolver import GravityResolver
 from .scheduler import BatchScheduler, ContinuousScheduler, Job
+from .telemetry import Metrics
 
 __all__ = ["FollowUps"]
 

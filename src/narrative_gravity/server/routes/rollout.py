@@ -7,7 +7,7 @@
   is the promotion that runs an eval first and refuses a regression.
 - ``GET /v1/profiles/{name}/rollout``, ``PUT`` with ``{"rollout": {"shadow": 0.05, "split": {"version": 4,
   "share": 0.1}}, "message": "..."}`` (``{"rollout": {}}`` turns it off), ``GET .../rollout/history``.
-- ``GET /v1/profiles/{name}/report``: the arms compared (:func:`~narrative_gravity.rollout_report.build_report`).
+- ``GET /v1/profiles/{name}/report``: the arms compared (:func:`~narrative_gravity.profiles.report.build_report`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..rollout import RolloutError
-from ..store import ProfileStore, RolloutState
-from .config import ServerConfig
-from .limits import check_profile
-from .protocol import APIError, parse_json
+from ...profiles.rollout import RolloutError
+from ...profiles.store import ProfileStore, RolloutState
+from ..config import ServerConfig
+from ..limits import check_profile
+from ..protocol import APIError, parse_json
 
 try:  # the `server` extra; create_app says what to install without it
     from fastapi import Request
@@ -48,7 +48,7 @@ def add_rollout_routes(
     read_body: Callable[[Any], Awaitable[bytes]],
 ) -> None:
     """Add the routes of the module doc to ``app``; ``store_call`` and ``read_body`` are the app's own."""
-    from ..profile import Profile
+    from ...profiles.schema import Profile
 
     async def body(request: Request, allowed: set[str]) -> dict[str, Any]:
         data = parse_json(await read_body(request))
@@ -140,7 +140,7 @@ def add_rollout_routes(
 
     @app.get("/v1/profiles/{name}/report")
     async def report(name: str) -> dict[str, Any]:
-        from ..rollout_report import build_report
+        from ...profiles.report import build_report
 
         def work() -> dict[str, Any]:
             out = build_report(name, store.arms_log(name).read())

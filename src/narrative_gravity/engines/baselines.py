@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .errors import VocabularyError
+from ..errors import VocabularyError
 
 __all__ = ["ArticleGravityLogitsProcessor", "WeightedDecodingLogitsProcessor", "single_token_forms"]
 

@@ -1,5 +1,5 @@
 """The pipeline of one chat request in the server: its passages pruned, its earlier turns remembered, its answer
-planned, before its rows are queued (:mod:`narrative_gravity.pipeline` does the levels; this module feeds
+planned, before its rows are queued (:mod:`narrative_gravity.levels.pipeline` does the levels; this module feeds
 them from the request and the engine).
 
 The plan level's outline drafts are rows like any request's (sampled, no gravity) on the same scheduler, so
@@ -15,10 +15,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..engines.hf_generate import chat_ids
 from ..errors import NarrativeGravityError
-from ..generation import chat_ids
-from ..pipeline import Passage, needs_pipeline, parse_documents, prepare, split_documents, stage_report
-from .backend import Backend, ResolvedGravity, Sampling
+from ..levels.pipeline import Passage, needs_pipeline, parse_documents, prepare, split_documents, stage_report
+from .backends.base import Backend, ResolvedGravity, Sampling
 from .config import ServerConfig
 from .limits import check_gravity
 from .protocol import APIError
@@ -28,7 +28,7 @@ __all__ = ["PipelineRun", "plan_request", "profile_key", "request_passages"]
 
 log = logging.getLogger("narrative_gravity.server")
 
-_DRAFT_SAMPLING = {"temperature": 0.8, "top_k": 40}  # outline drafts, as narrative_gravity.answer.DRAFT_OPTIONS
+_DRAFT_SAMPLING = {"temperature": 0.8, "top_k": 40}  # outline drafts, as narrative_gravity.levels.answer.DRAFT_OPTIONS
 
 
 @dataclass

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from .fields import NarrativeField
-from .text import ngrams
+from ..fields import NarrativeField
+from ..text import ngrams
 
 __all__ = ["distinct_n", "is_cjk", "mean_ci", "narrative_token_rate", "penalized_hits", "token_field_values"]
 

@@ -1,4 +1,4 @@
-"""Compare the arms of a stored profile from what the server recorded (:mod:`~narrative_gravity.armlog`).
+"""Compare the arms of a stored profile from what the server recorded (:mod:`~narrative_gravity.profiles.armlog`).
 
 Per arm and version (``live@3``, ``split:b@4``, ``shadow@3``, ...): the mean of each per-request figure with a 95%
 percentile-bootstrap interval (:func:`~narrative_gravity.eval.stats.bootstrap_ci`). Then the comparisons:
@@ -81,7 +81,7 @@ def _group_name(arm: str, version: Any) -> str:
 
 def build_report(name: str, records: Sequence[dict[str, Any]], *, n_boot: int = 2000) -> dict[str, Any]:
     """The report of profile ``name`` from its arm records (JSON-ready: no NaN, ``None`` instead)."""
-    from .eval.stats import bootstrap_ci, paired_bootstrap
+    from ..eval.stats import bootstrap_ci, paired_bootstrap
 
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:

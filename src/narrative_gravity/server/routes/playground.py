@@ -31,11 +31,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import NarrativeGravityError
-from ..profile import TOPIC_DEFAULTS, Profile, profile_problems
-from .backend import Backend, ResolvedGravity
-from .config import ServerConfig
-from .protocol import APIError, parse_request
+from ...errors import NarrativeGravityError
+from ...profiles.schema import TOPIC_DEFAULTS, Profile, profile_problems
+from ..backends.base import Backend, ResolvedGravity
+from ..config import ServerConfig
+from ..protocol import APIError, parse_request
 
 __all__ = ["ASSETS", "TOPIC_WORDS", "add_playground", "topic_profile"]
 
@@ -192,8 +192,8 @@ def add_playground(
                     raise APIError(400, f"`runs.{i}.{side}.token_ids` has ids outside the vocabulary", param="runs")
 
         def work() -> dict[str, Any]:
-            from ..compare import row_metrics, summarize_metrics
-            from ..steer import field_from_profile
+            from ...compare import row_metrics, summarize_metrics
+            from ...profiles.build import field_from_profile
 
             profile = gravity.profile
             field = field_from_profile(profile, backend.tokenizer, model=getattr(backend, "model", None))  # type: ignore[attr-defined]

@@ -2,8 +2,8 @@
 
 A backend turns text into token ids and back, prepares a profile's field ahead of time, and runs a *batch* of
 rows in one blocking call, reporting every decoding step's new token ids through a callback. The embedded
-transformers backend is :class:`~narrative_gravity.server.hf.HFBackend`; the vLLM backend is
-:class:`~narrative_gravity.server.vllm.VLLMBackend`.
+transformers backend is :class:`~narrative_gravity.server.backends.hf.HFBackend`; the vLLM backend is
+:class:`~narrative_gravity.server.backends.vllm.VLLMBackend`.
 
 A backend whose engine admits rows into its running batch at any step is also a :class:`ContinuousBackend`:
 the server then submits each request's rows to it as they arrive instead of collecting batches
@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import ConfigurationError, VocabularyError
+from ...errors import ConfigurationError, VocabularyError
 
 if TYPE_CHECKING:
-    from ..profile import Profile
+    from ...profiles.schema import Profile
 
 __all__ = [
     "ENGINES",
@@ -62,7 +62,7 @@ class ResolvedGravity:
     ``label`` names it in metrics: the store name for named profiles, ``"inline"`` for inline mappings, with
     ``":measure_only"`` added for a profile that is measured but does not pull (``measure_only``).
 
-    A named profile also has its ``arm`` (see :mod:`~narrative_gravity.rollout`: ``live``, ``pinned``,
+    A named profile also has its ``arm`` (see :mod:`~narrative_gravity.profiles.rollout`: ``live``, ``pinned``,
     ``split:a``, ``split:b``, ``shadow``), and ``shadow`` says whether the request gets a shadow run too.
     """
 
@@ -227,7 +227,7 @@ class TokenizerText:
             raise ConfigurationError(
                 f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
             )
-        from ..generation import chat_ids
+        from ...engines.hf_generate import chat_ids
 
         return chat_ids(self.tokenizer, messages)
 

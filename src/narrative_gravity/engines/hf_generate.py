@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
-from .gravity.thermo import Trace
-from .lead import lead_messages, lead_text
+from ..errors import ConfigurationError
+from ..gravity.thermo import Trace
+from ..lead import lead_messages, lead_text
 
 __all__ = [
     "ENGINES",

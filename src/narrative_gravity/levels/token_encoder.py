@@ -77,8 +77,8 @@ def token_encoder(tokenizer: Any) -> TokenTableEncoder:
         hit = _CACHE.get(tokenizer)
     if hit is not None:
         return hit
-    from .fields import semantic
-    from .text import STOPWORDS
+    from ..fields import semantic
+    from ..text import STOPWORDS
 
     vocab = semantic._vocab(tokenizer, len(tokenizer))
     table = semantic._minilm_token_matrix(tokenizer, vocab, semantic.resolve_semantic_cache(None), True)

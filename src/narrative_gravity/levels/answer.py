@@ -1,12 +1,12 @@
-"""The pipeline as a library call: :func:`answer` runs every level of :mod:`narrative_gravity.pipeline` and
+"""The pipeline as a library call: :func:`answer` runs every level of :mod:`narrative_gravity.levels.pipeline` and
 decodes on the transformers engine (``model``, ``tokenizer``) or on vLLM (a
 :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`), the same way ``ngrav serve`` does per request.
 
 Example (SmolLM2, offline)::
 
-    from narrative_gravity.answer import answer
+    from narrative_gravity.levels.answer import answer
     from narrative_gravity.models import load_model
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     model, tok = load_model()
     profile = Profile.from_mapping({"core_semantics": ["telescope"], "context": {}, "conversation": {}})
@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigurationError
-from .generation import SamplingOptions, chat_ids, sample_ids
-from .lead import lead_messages, lead_sentence, reading_profile
+from ..engines.hf_generate import SamplingOptions, chat_ids, sample_ids
+from ..errors import ConfigurationError
+from ..lead import lead_messages, lead_sentence, reading_profile
+from ..profiles.schema import Profile
 from .pipeline import Prepared, parse_documents, prepare, split_documents, stage_report
-from .profile import Profile
 
 __all__ = ["DRAFT_OPTIONS", "Answer", "answer"]
 
@@ -74,7 +74,7 @@ def answer(
     def write(prompt_ids: list[list[int]], opts: SamplingOptions, prof: Profile | None) -> list[list[int]]:
         if vllm is not None:
             return [list(o.token_ids) for o in vllm.generate(prompt_ids, opts, prof)]
-        from .steer import processor_from_profile
+        from ..profiles.build import processor_from_profile
 
         procs = (
             [] if prof is None else [processor_from_profile(prof, tok, max_new_tokens=opts.max_new_tokens, model=model)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigurationError
-from .backend import ENGINES, Backend
+from ...errors import ConfigurationError
+from .base import ENGINES, Backend
 from .hf import HFBackend
 from .vllm import VLLMBackend
 
@@ -15,7 +15,7 @@ __all__ = ["make_backend"]
 def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", **options: Any) -> Backend:
     """The backend for ``--engine``: ``hf`` (embedded transformers) or ``vllm`` (an in-process vLLM engine).
 
-    ``options`` go to :meth:`VLLMBackend.load <narrative_gravity.server.vllm.VLLMBackend.load>` (``max_num_seqs``,
+    ``options`` go to :meth:`VLLMBackend.load <narrative_gravity.server.backends.vllm.VLLMBackend.load>` (``max_num_seqs``,
     ``max_model_len``, ``kv_cache_mb``); the transformers engine takes none.
     """
     if engine == "hf":

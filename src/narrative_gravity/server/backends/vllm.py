@@ -4,7 +4,7 @@ Rows become vLLM requests on one in-process engine (``vllm.LLM`` with
 :class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor`), so gravity rides inside vLLM's
 own batch with a profile per request (``SamplingParams.extra_args["gravity"]``).
 
-The backend is a :class:`~narrative_gravity.server.backend.ContinuousBackend`: one engine thread owns the
+The backend is a :class:`~narrative_gravity.server.backends.base.ContinuousBackend`: one engine thread owns the
 engine and loops ``engine.step()``. Between two steps it adds the rows submitted since (they join the running
 batch at once, as in vLLM's own server), aborts the rows whose request was cancelled, and reports each step's
 new tokens, finished rows and failures in one callback per submission. A request the engine refuses fails alone.
@@ -48,12 +48,12 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.vllm import TRACE_KEY, forget_trace, pop_trace
-from ..errors import ConfigurationError
-from ..models import DEFAULT_MODEL, hf_folder
-from ..profile import Profile
-from .backend import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
-from .structured import ResponseFormat
+from ...engines.vllm import TRACE_KEY, forget_trace, pop_trace
+from ...errors import ConfigurationError
+from ...models import DEFAULT_MODEL, hf_folder
+from ...profiles.schema import Profile
+from ..structured import ResponseFormat
+from .base import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
 
 __all__ = ["VLLMBackend"]
 
@@ -240,7 +240,7 @@ class VLLMBackend(TokenizerText):
 
     def prepare(self, profile: Profile) -> None:
         """Parse the profile as the vLLM processor will, so a bad one fails its request before the engine."""
-        from ..engines.vllm import profile_from_extra_args
+        from ...engines.vllm import profile_from_extra_args
 
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
 

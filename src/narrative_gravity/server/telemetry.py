@@ -3,7 +3,7 @@
 Per profile (``label``: the store name, ``inline``, or ``none``): requests, prompt and generated tokens, a
 latency and a time-to-first-token histogram, and the mean narrative mass and KL from the processors' traces.
 Per stored profile and arm (``live``, ``pinned``, ``split:a``, ``split:b``, ``shadow``; see
-:mod:`~narrative_gravity.rollout`): finished requests, generated tokens, latency, and summaries (``_sum`` and
+:mod:`~narrative_gravity.profiles.rollout`): finished requests, generated tokens, latency, and summaries (``_sum`` and
 ``_count``, so ``_sum / _count`` is the mean per request) of narrative mass after and before the pull, KL per token
 and the off-topic rate; shadow runs skipped (by reason) and the tokens shadows decoded. At most
 :data:`MAX_ARM_PROFILES` profile names get series of their own, the rest share ``profile="other"``.

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigurationError
-from .text import STOPWORDS, content_words, stem, words
+from ..errors import ConfigurationError
+from ..text import STOPWORDS, content_words, stem, words
 
 __all__ = [
     "BM25",
@@ -155,7 +155,7 @@ def hashing_encoder(dim: int = 512) -> Encoder:
 
 
 def _default_encoder() -> Encoder:
-    from .embeddings import encode
+    from ..embeddings import encode
 
     return encode
 
@@ -320,7 +320,7 @@ def prune_context(
         chunks: strings, or mappings with a ``text`` (and optionally an ``id``), e.g. rows of a JSONL file.
         budget_tokens: at most this many chunk tokens are kept; ``None`` = no budget (only clusters,
             duplicates and ``min_score`` prune).
-        profile: a :class:`~narrative_gravity.profile.Profile`; its narrative (``field.semantic_topic``, else
+        profile: a :class:`~narrative_gravity.profiles.schema.Profile`; its narrative (``field.semantic_topic``, else
             ``description``, else the core words) joins the question in the score and the cluster test.
         narrative: a sentence describing the narrative (overrides the profile's).
         tokenizer: the generator's tokenizer, to count tokens; without it whitespace words are counted.

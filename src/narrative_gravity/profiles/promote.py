@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = ["Check", "Limit", "Promotion", "check_limit", "evaluate_promotion"]
 
@@ -50,7 +50,7 @@ class Limit:
     @classmethod
     def parse(cls, spec: str) -> Limit:
         """``METRIC:DELTA`` or ``METRIC:DELTA%``, e.g. ``distinct_2:0.05`` or ``rep_2:10%``."""
-        from .eval.metrics import get_metric
+        from ..eval.metrics import get_metric
 
         metric, sep, raw = spec.partition(":")
         metric, raw = metric.strip(), raw.strip()
@@ -106,8 +106,8 @@ class Check:
 
 def check_limit(limit: Limit, *, live: Sequence[float], candidate: Sequence[float]) -> Check:
     """Read one limit against paired per-sample values (NaN pairs are dropped)."""
-    from .eval.metrics import get_metric
-    from .eval.stats import paired_bootstrap
+    from ..eval.metrics import get_metric
+    from ..eval.stats import paired_bootstrap
 
     metric = get_metric(limit.metric)
     c = paired_bootstrap(live, candidate, higher_is_better=metric.higher_is_better, how=metric.aggregation)
@@ -191,8 +191,8 @@ def evaluate_promotion(
     """Evaluate the candidate ``version`` (default: the newest staged) of ``name`` against the live version and
     promote it when every limit holds (and ``promote``). The eval's run folder is ``out`` (a temporary one
     without it). ``model``/``tokenizer`` skip loading ``model_name``."""
-    from .eval.runner import EvalSettings, run_eval
-    from .eval.store import RESULTS, ResultStore
+    from ..eval.runner import EvalSettings, run_eval
+    from ..eval.store import RESULTS, ResultStore
 
     if not limits:
         raise ConfigurationError("give at least one --limit METRIC:DELTA, e.g. --limit distinct_2:0.05")

@@ -2,12 +2,12 @@
 
 ``gravity`` is either an inline profile mapping (``{"core_semantics": [...], ...}``) or a reference to the
 store, ``{"profile": "space"}`` or ``{"profile": "space", "version": 2}``. Without a version every request
-reads the profile's head with :meth:`~narrative_gravity.store.ProfileStore.head_version` (one folder listing),
+reads the profile's head with :meth:`~narrative_gravity.profiles.store.ProfileStore.head_version` (one folder listing),
 so a new version set with ``ngrav profile set`` or ``PUT /v1/profiles/NAME`` is used by the next request,
 with no restart. Snapshots are read once per version and kept in a small LRU cache.
 
 **Rollout.** A request without a version gets the profile's *live* version (the store's live pointer; the head
-when there is none), or, when the profile has a rollout config (:mod:`~narrative_gravity.rollout`), the version of
+when there is none), or, when the profile has a rollout config (:mod:`~narrative_gravity.profiles.rollout`), the version of
 the arm its routing key picks: ``resolve(spec, route_key=...)``. The arm is in ``describe()``. A request that pins
 ``"version"`` bypasses the split (arm ``pinned``). The rollout config is read with the live pointer on every
 request (two ``stat`` calls), so a change applies to the next request.
@@ -18,7 +18,7 @@ steered one (what ``ngrav compare`` calls the control). The profile is turned in
 so every engine runs it the same way.
 
 >>> import tempfile
->>> from narrative_gravity.store import ProfileStore
+>>> from narrative_gravity.profiles.store import ProfileStore
 >>> tmp = tempfile.TemporaryDirectory()
 >>> store = ProfileStore(tmp.name)
 >>> store.set("space", {"core_semantics": ["orbit"]})
@@ -60,10 +60,10 @@ from typing import Any
 
 from ..errors import NarrativeGravityError, ProfileError, StoreError
 from ..lead import lead_messages, lead_sentence, lead_text, reading_profile
-from ..profile import Profile
-from ..rollout import SHADOW, route
-from ..store import ProfileStore, StoreDamagedError
-from .backend import MEASURE_ONLY_SUFFIX, ResolvedGravity
+from ..profiles.rollout import SHADOW, route
+from ..profiles.schema import Profile
+from ..profiles.store import ProfileStore, StoreDamagedError
+from .backends.base import MEASURE_ONLY_SUFFIX, ResolvedGravity
 from .protocol import APIError
 
 __all__ = ["GravityResolver", "measuring_profile", "public_message", "request_lead", "with_lead"]
@@ -73,7 +73,7 @@ _REFERENCE_KEYS = {"profile", "version", "measure_only"}
 
 def measuring_profile(profile: Profile) -> Profile:
     """``profile`` with no pull: λ is 0 at every step, nothing is pruned, and stages give way to the base field
-    (what ``measure_only`` measures against in :func:`~narrative_gravity.steer.processor_from_profile`), and no
+    (what ``measure_only`` measures against in :func:`~narrative_gravity.profiles.build.processor_from_profile`), and no
     topic sentence: plain decoding reads the prompt as it came."""
     return profile.model_copy(
         update={
@@ -139,7 +139,7 @@ class GravityResolver:
     ) -> ResolvedGravity | None:
         """``None`` for no gravity; raises :class:`~narrative_gravity.server.protocol.APIError` for bad specs.
 
-        ``route_key`` makes the arm of a named profile deterministic (see :func:`~narrative_gravity.rollout.route`);
+        ``route_key`` makes the arm of a named profile deterministic (see :func:`~narrative_gravity.profiles.rollout.route`);
         ``routed=False`` ignores the rollout config (the live version, no shadow). ``chat``: the request is a chat
         (``True``) or a completion (``False``), whose rows read the profile's topic sentence (``lead``) where it
         has one for that kind, and so pull as it is read (:func:`~narrative_gravity.lead.reading_profile`);

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .cli_common import fail as _fail
+from .common import fail as _fail
 
 if TYPE_CHECKING:
-    from .store import ProfileStore
+    from ..profiles.store import ProfileStore
 
 __all__ = ["profile_app"]
 
@@ -70,7 +70,7 @@ def _options(
 
 
 def _guard(fn: Any) -> Any:
-    from .errors import NarrativeGravityError
+    from ..errors import NarrativeGravityError
 
     try:
         return fn()
@@ -79,7 +79,7 @@ def _guard(fn: Any) -> Any:
 
 
 def _store(ctx: typer.Context) -> ProfileStore:
-    from .store import ProfileStore
+    from ..profiles.store import ProfileStore
 
     return _guard(lambda: ProfileStore(ctx.ensure_object(dict).get("store")))
 
@@ -156,7 +156,7 @@ def set_profile(
 
     Example: ngrav profile set space profiles/space.yaml --message "stronger pull"
     """
-    from .profile import load_profile
+    from ..profiles.schema import load_profile
 
     store = _store(ctx)
     profile = _guard(lambda: load_profile(file))
@@ -259,7 +259,7 @@ def stage(
 
     Example: ngrav profile stage space profiles/space_v2.yaml --message "stronger pull"
     """
-    from .profile import load_profile
+    from ..profiles.schema import load_profile
 
     store = _store(ctx)
     profile = _guard(lambda: load_profile(file))
@@ -324,7 +324,7 @@ def promote(
     if no_check:
         if prompts or limit:
             _fail("--no-check moves the pointer without an eval; leave out --prompts and --limit, or --no-check")
-        from .store import StoreDamagedError
+        from ..profiles.store import StoreDamagedError
 
         try:
             before: int | str = store.live_version(name)
@@ -340,7 +340,7 @@ def promote(
             "give --prompts SET and at least one --limit METRIC:DELTA (e.g. --limit distinct_2:0.05), "
             "or --no-check to move the live pointer without an eval"
         )
-    from .promote import Limit, evaluate_promotion
+    from ..profiles.promote import Limit, evaluate_promotion
 
     limits = [_guard(lambda spec=spec: Limit.parse(spec)) for spec in limit or []]
     if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
@@ -522,7 +522,7 @@ def report(
     if server is not None:
         data = _remote_report(server, name, api_key)
     else:
-        from .rollout_report import build_report
+        from ..profiles.report import build_report
 
         store = _store(ctx)
         live = _guard(lambda: store.live_version(name))  # an unknown name fails here, with a did-you-mean
@@ -531,7 +531,7 @@ def report(
     if json_out:
         typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
         return
-    from .rollout_report import render_report
+    from ..profiles.report import render_report
 
     console = _console(wide=True)
     for part in render_report(data):

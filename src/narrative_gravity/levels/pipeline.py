@@ -2,14 +2,14 @@
 
 A chat request may carry retrieved passages: in a ``documents`` list (strings, or ``{"id", "text"}``
 objects), or inside its messages as ``<document id="...">...</document>`` blocks. The profile switches each
-level on, each with defaults (:class:`~narrative_gravity.profile.ContextLevel`, ``ConversationLevel``,
+level on, each with defaults (:class:`~narrative_gravity.profiles.schema.ContextLevel`, ``ConversationLevel``,
 ``PlanLevel``):
 
 1. **context** (``context:``): the passages are pruned to a token budget for the question (the last user
-   message) and its narrative (:func:`~narrative_gravity.context.prune_context`); every passage gets a
+   message) and its narrative (:func:`~narrative_gravity.levels.context.prune_context`); every passage gets a
    decision with its reason. Without ``context`` every passage is kept, in order.
 2. **memory** (``conversation:``): the content words of the earlier turns, decayed turn by turn
-   (:class:`~narrative_gravity.memory.TopicMemory`), become the profile's ``memory`` for this answer.
+   (:class:`~narrative_gravity.levels.memory.TopicMemory`), become the profile's ``memory`` for this answer.
 3. **plan** (``plan:``): outline drafts are written by the same engine (``draft``), scored, and the best one's
    sections become the profile's ``stages``.
 
@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigurationError
-from .profile import Profile
+from ..errors import ConfigurationError
+from ..profiles.schema import Profile
 
 __all__ = [
     "CONTEXT_TEMPLATE",
@@ -291,7 +291,7 @@ def stage_report(stages: Sequence[Mapping[str, Any]] | None, text: str) -> list[
     >>> stage_report([{"name": "a", "core_semantics": ["orbit", "moon"]}], "The Moon rises.")
     [{'name': 'a', 'reached': True, 'words': ['moon']}]
     """
-    from .eval.metrics import contains_any
+    from ..eval.metrics import contains_any
 
     out = []
     for s in stages or ():

@@ -11,10 +11,10 @@ pointer. :meth:`ProfileStore.set` and :meth:`ProfileStore.rollback` store a new 
 always did, which leaves nothing staged (older staged versions stay in the history and can still be promoted by
 number). Versions newer than the live one are *staged*.
 
-**Rollout** (``rollout.json``, :class:`~narrative_gravity.rollout.RolloutConfig`): per name, the share of requests
+**Rollout** (``rollout.json``, :class:`~narrative_gravity.profiles.rollout.RolloutConfig`): per name, the share of requests
 that get a shadow run without gravity, and an optional split of the traffic to a second version. Every change gets
 the next revision number and a line in ``rollout-history.jsonl``. What the server records per arm goes to
-``arms.jsonl`` (:class:`~narrative_gravity.armlog.ArmLog`).
+``arms.jsonl`` (:class:`~narrative_gravity.profiles.armlog.ArmLog`).
 
 Layout on disk::
 
@@ -93,10 +93,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import ProfileError, StoreError
 from .armlog import ARMS_LOG, ArmLog
-from .errors import ProfileError, StoreError
-from .profile import Profile
 from .rollout import RolloutConfig, RolloutError
+from .schema import Profile
 
 try:
     import fcntl
@@ -349,7 +349,7 @@ class ProfileStore:
         return out
 
     def arms_log(self, name: str) -> ArmLog:
-        """Where the server records what each arm of ``name`` did (:mod:`~narrative_gravity.armlog`)."""
+        """Where the server records what each arm of ``name`` did (:mod:`~narrative_gravity.profiles.armlog`)."""
         return ArmLog(self._dir(name) / ARMS_LOG)
 
     def history(self, name: str) -> builtins.list[SnapshotInfo]:

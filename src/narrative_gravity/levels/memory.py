@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from .engines.hf import NarrativeGravityLogitsProcessor
-from .errors import ConfigurationError
-from .fields import NarrativeField
-from .fields.lexical import weighted_lexical_field
-from .generation import SamplingOptions, chat_ids, eos_token_ids
-from .gravity.controllers import ConstantController
-from .gravity.field import merge_fields
-from .steer import controller_from_profile, field_from_profile
-from .text import STOPWORDS, content_words, word_set
+from ..engines.hf import NarrativeGravityLogitsProcessor
+from ..engines.hf_generate import SamplingOptions, chat_ids, eos_token_ids
+from ..errors import ConfigurationError
+from ..fields import NarrativeField
+from ..fields.lexical import weighted_lexical_field
+from ..gravity.controllers import ConstantController
+from ..gravity.field import merge_fields
+from ..profiles.build import controller_from_profile, field_from_profile
+from ..text import STOPWORDS, content_words, word_set
 
 __all__ = ["Conversation", "TopicMemory", "merge_fields", "weighted_lexical_field"]
 

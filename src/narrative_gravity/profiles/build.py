@@ -1,6 +1,6 @@
 """From a profile to a ready processor: build the field once per (profile, tokenizer) and pick the controller.
 
->>> from narrative_gravity.profile import Profile
+>>> from narrative_gravity.profiles.schema import Profile
 >>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="constant", gravity_strength=2.0))
 ConstantController(2.0)
 >>> controller_from_profile(Profile(core_semantics=["orbit"], gravity_strength=3.0))  # the topic default
@@ -14,17 +14,17 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from .engines.hf import NarrativeGravityLogitsProcessor
-from .errors import ConfigurationError
-from .fields import NarrativeField
-from .fields.lexical import weighted_lexical_field
-from .gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
-from .gravity.field import merge_fields
-from .gravity.kernel import Program
-from .gravity.require import Requirement
-from .gravity.thermo import Trace
-from .plan import stage_plan
-from .profile import Profile
+from ..engines.hf import NarrativeGravityLogitsProcessor
+from ..errors import ConfigurationError
+from ..fields import NarrativeField
+from ..fields.lexical import weighted_lexical_field
+from ..gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
+from ..gravity.field import merge_fields
+from ..gravity.kernel import Program
+from ..gravity.require import Requirement
+from ..gravity.thermo import Trace
+from ..levels.plan import stage_plan
+from .schema import Profile
 
 __all__ = [
     "controller_from_profile",
@@ -83,7 +83,7 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
 
 
 def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField:
-    from .fields.lexical import build_lexical_field
+    from ..fields.lexical import build_lexical_field
 
     opts = profile.field
     name = profile.name or "profile"
@@ -100,7 +100,7 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
         )
     if opts.mode == "lexical":
         return lexical
-    from .fields.semantic import build_semantic_field, combine_fields
+    from ..fields.semantic import build_semantic_field, combine_fields
 
     semantic = build_semantic_field(
         tokenizer,
@@ -126,7 +126,7 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
 
 def _with_neighbours(profile: Profile, tokenizer: Any, built: NarrativeField) -> NarrativeField:
     """``built`` with the ``field.neighbours`` whole words nearest the topic pulled lexically (max of the two)."""
-    from .fields.neighbours import neighbour_words
+    from ..fields.neighbours import neighbour_words
 
     opts = profile.field
     topic = opts.semantic_topic if opts.semantic_topic is not None else profile.keywords()
@@ -163,7 +163,7 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
     if hit is not None and hit[0] is tokenizer:
         _REQUIRE_CACHE.move_to_end(key)
         return hit[1]
-    from .fields.required import build_requirement
+    from ..fields.required import build_requirement
 
     opts = profile.require
     built = build_requirement(

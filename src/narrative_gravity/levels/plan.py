@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engines.hf import NarrativeGravityLogitsProcessor
-from .errors import ConfigurationError
-from .fields import NarrativeField, combine_fields
-from .fields.lexical import build_lexical_field, reach, surface_forms
-from .gravity.controllers import ConstantController, StrengthController
-from .gravity.stages import StagePlan
-from .text import STOPWORDS, content_words, word_set
+from ..engines.hf import NarrativeGravityLogitsProcessor
+from ..errors import ConfigurationError
+from ..fields import NarrativeField, combine_fields
+from ..fields.lexical import build_lexical_field, reach, surface_forms
+from ..gravity.controllers import ConstantController, StrengthController
+from ..gravity.stages import StagePlan
+from ..text import STOPWORDS, content_words, word_set
 
 __all__ = [
     "Outline",
@@ -240,7 +240,7 @@ class Outline:
 
 
 def _default_encoder() -> Encoder:
-    from .embeddings import encode
+    from ..embeddings import encode
 
     return encode
 
@@ -358,10 +358,10 @@ def draft_outlines(
     seed: int = 0,
     raw: bool | None = None,
 ) -> list[Any]:
-    """``n`` sampled outline drafts in one batch: :class:`~narrative_gravity.generation.GenerationResult` s.
+    """``n`` sampled outline drafts in one batch: :class:`~narrative_gravity.engines.hf_generate.GenerationResult` s.
 
     ``raw=None`` uses the chat template when the tokenizer has one, plain continuation otherwise."""
-    from .generation import SamplingOptions, generate
+    from ..engines.hf_generate import SamplingOptions, generate
 
     if n < 1:
         raise ConfigurationError(f"`n` has to be >= 1, but is {n}")
@@ -426,8 +426,8 @@ def plan_table(result: PlanResult, *, width: int = 48) -> Any:
 
 def _writing_controller(schedule: str, strength: float | None) -> StrengthController:
     """The plan's pull: the topic default's thermostat, or a constant λ."""
-    from .gravity.controllers import ThermostatController
-    from .profile import TOPIC_DEFAULTS
+    from ..gravity.controllers import ThermostatController
+    from ..profiles.schema import TOPIC_DEFAULTS
 
     if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float)) or strength < 0):
         raise ConfigurationError(f"`strength` has to be a number >= 0, but is {strength!r}")
@@ -481,7 +481,7 @@ def plan_then_write(
     ``semantic_weight``: the sections say where the text goes next, the semantic field keeps all of it on
     the prompt's topic.
 
-    The pull is the package's topic default (:data:`~narrative_gravity.profile.TOPIC_DEFAULTS`): with
+    The pull is the package's topic default (:data:`~narrative_gravity.profiles.schema.TOPIC_DEFAULTS`): with
     ``schedule="thermostat"`` a :class:`~narrative_gravity.gravity.controllers.ThermostatController` with λ_max
     ``strength`` (default 4.25) and targets 0.4 / 0.6 / 0.8, and ``repeat_weight=0`` (a stage word's token
     stops pulling once written, so the pull moves on through the stage). ``schedule="constant"`` pulls with
@@ -498,8 +498,8 @@ def plan_then_write(
         raise ConfigurationError(f"`opening_tokens` has to be a whole number >= 1, but is {opening_tokens!r}")
     if controller is None:
         controller = _writing_controller(schedule, strength)
+    from ..engines.hf_generate import SamplingOptions, generate
     from .context import narrative_text
-    from .generation import SamplingOptions, generate
 
     t0 = time.perf_counter()
     if raw is None:
@@ -538,8 +538,8 @@ def plan_then_write(
         plan = parse_stages(stages)
     base = None
     if semantic:
-        from .fields import build_semantic_field
-        from .profile import FieldOptions
+        from ..fields import build_semantic_field
+        from ..profiles.schema import FieldOptions
 
         topic = extra or [w for s in plan for w in s.core_semantics]
         opts = FieldOptions()  # the profile defaults of a semantic field
@@ -628,7 +628,7 @@ def _write_from_openings(
     """
     from dataclasses import replace as _replace
 
-    from .generation import encode_prompts, eos_token_ids, sample_ids
+    from ..engines.hf_generate import encode_prompts, eos_token_ids, sample_ids
 
     ids = encode_prompts(tokenizer, [write], raw=raw)[0]
     drafts = sample_ids(

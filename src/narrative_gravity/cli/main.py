@@ -23,10 +23,10 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import fail as _fail
-from .cli_common import set_debug
-from .cli_profile import profile_app
-from .errors import NarrativeGravityError
+from ..errors import NarrativeGravityError
+from .common import fail as _fail
+from .common import set_debug
+from .profile import profile_app
 
 app = typer.Typer(
     add_completion=False,
@@ -110,7 +110,7 @@ def _check_output(path: Path | None, flag: str, *, folder: bool = False) -> None
 
 def _check_model(model: str | None) -> None:
     """Fail now if ``--model`` names nothing loadable (a missing path, a file that is not GGUF)."""
-    from .models import resolve_model
+    from ..models import resolve_model
 
     source = _run_guarded(lambda: resolve_model(model))
     if source.gguf_file is not None:
@@ -129,8 +129,8 @@ def _check_model(model: str | None) -> None:
 
 def _load_profile(path: Path) -> Any:
     """A profile file, validated; text that cannot be encoded (a lone surrogate) is refused by name."""
-    from .profile import load_profile
-    from .server.protocol import unencodable
+    from ..profiles.schema import load_profile
+    from ..server.protocol import unencodable
 
     prof = _run_guarded(lambda: load_profile(path))
     bad = unencodable(prof.model_dump(mode="python"))
@@ -163,7 +163,7 @@ def _read_prompts(path: Path) -> list[str]:
 def _load(model: str | None, device: str = "cpu") -> tuple[Any, Any]:
     from rich.console import Console
 
-    from .models import load_model
+    from ..models import load_model
 
     _check_model(model)
     with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
@@ -180,7 +180,7 @@ def _encoder(name: str) -> Any:
     """The sentence encoder an ``--encoder`` option names: ``None`` for MiniLM (the default), or hashing."""
     if name not in ("minilm", "hashing"):
         _fail(f"--encoder must be minilm or hashing, got {name!r}")
-    from .context import hashing_encoder
+    from ..levels.context import hashing_encoder
 
     return hashing_encoder() if name == "hashing" else None
 
@@ -221,10 +221,10 @@ def generate(
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .generation import SamplingOptions, check_engine, vllm_engine
-    from .generation import generate as run
-    from .lead import lead_sentence, reading_profile
-    from .steer import processor_from_profile
+    from ..engines.hf_generate import SamplingOptions, check_engine, vllm_engine
+    from ..engines.hf_generate import generate as run
+    from ..lead import lead_sentence, reading_profile
+    from ..profiles.build import processor_from_profile
 
     if engine == "vllm" and device != "cpu":
         _fail("--device is for the transformers engine; vLLM places the model on its own device")
@@ -325,8 +325,8 @@ def _load_vllm(
     """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` sized for ``texts``, or one error line."""
     from rich.console import Console
 
-    from .generation import encode_prompts
-    from .models import load_tokenizer
+    from ..engines.hf_generate import encode_prompts
+    from ..models import load_tokenizer
 
     _check_model(model)
     tok = _run_guarded(lambda: load_tokenizer(model))
@@ -361,7 +361,7 @@ def compare(
 
     Example: ngrav compare --profile profiles/binary_search.json --prompt "Write a binary search in Java." --seeds 20
     """
-    from .compare import run_compare
+    from ..compare import run_compare
 
     prof = _load_profile(profile)
     _check_output(plot, "--plot")
@@ -397,8 +397,8 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
-    from .models import load_tokenizer
-    from .steer import field_from_profile
+    from ..models import load_tokenizer
+    from ..profiles.build import field_from_profile
 
     prof = _load_profile(profile)
     if prof.field.mode != "lexical" and prof.field.semantic_source == "lm":  # the field reads the LM's embeddings
@@ -433,8 +433,8 @@ def reach(
     from rich.console import Console
     from rich.table import Table
 
-    from .fields.lexical import reach as reach_words
-    from .models import load_tokenizer
+    from ..fields.lexical import reach as reach_words
+    from ..models import load_tokenizer
 
     tok = _run_guarded(lambda: load_tokenizer(model))
     table = Table(title=f"reach in {model or 'smollm2'}")
@@ -518,14 +518,14 @@ def eval_command(
     With `--engine vllm` (run from .venv-vllm) every profile arm runs on an in-process vLLM engine and the judge
     stays on transformers; the `article` and `weighted:λ` baselines run on `--engine hf` only.
     """
-    from .eval.command import run_command
-    from .eval.runner import check_engine_arms
-    from .generation import vllm_engine
+    from ..engines.hf_generate import vllm_engine
+    from ..eval.command import run_command
+    from ..eval.runner import check_engine_arms
 
     if not profile and not report_only:
         _fail("give --profile FILE (repeat for several) or --profile auto")
     if not report_only:
-        from .eval.prompts import TOPIC_SETS
+        from ..eval.prompts import TOPIC_SETS
 
         _run_guarded(lambda: check_engine_arms(profile or [], engine))
         if prompts not in TOPIC_SETS:
@@ -642,8 +642,8 @@ def serve(
         _fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
 
     def run() -> None:
-        from .server import ServerConfig
-        from .server import serve as run_server
+        from ..server import ServerConfig
+        from ..server import serve as run_server
 
         config = ServerConfig(
             host=host,
@@ -710,8 +710,8 @@ def answer(
     """
     from rich.console import Console
 
-    from .answer import answer as run_answer
-    from .generation import SamplingOptions, check_engine, vllm_engine
+    from ..engines.hf_generate import SamplingOptions, check_engine, vllm_engine
+    from ..levels.answer import answer as run_answer
 
     _run_guarded(lambda: check_engine(engine))
     if (question is None) == (messages is None):
@@ -808,7 +808,7 @@ def prune_context_command(
     """
     from rich.console import Console
 
-    from .context import prune_context, result_table
+    from ..levels.context import prune_context, result_table
 
     enc = _encoder(encoder)
     if count not in ("tokens", "words"):
@@ -828,7 +828,7 @@ def prune_context_command(
     prof = _load_profile(profile) if profile is not None else None
     tok = None
     if count == "tokens":
-        from .models import load_tokenizer
+        from ..models import load_tokenizer
 
         _check_model(model)
         tok = _run_guarded(lambda: load_tokenizer(model))
@@ -883,7 +883,7 @@ def plan(
     from rich.console import Console
     from rich.markup import escape
 
-    from .plan import plan_table, plan_then_write
+    from ..levels.plan import plan_table, plan_then_write
 
     enc = _encoder(encoder)
     if schedule not in ("thermostat", "constant"):
@@ -944,7 +944,7 @@ def chat(
     """
     from rich.console import Console
 
-    from .memory import Conversation, TopicMemory
+    from ..levels.memory import Conversation, TopicMemory
 
     prof = _load_profile(profile) if profile is not None else None
     m, tok = _load(model)

@@ -1,6 +1,6 @@
 """Rollout settings of a stored profile, and which arm serves a request.
 
-A profile name may carry a small rollout config next to its snapshots (see :mod:`~narrative_gravity.store`):
+A profile name may carry a small rollout config next to its snapshots (see :mod:`~narrative_gravity.profiles.store`):
 
 - ``shadow``: the share of the profile's requests that are *also* run without gravity, in the background, for
   comparison (``measure_only``: the same prompt and seed, the profile's field still measured). The client is
@@ -28,7 +28,7 @@ True
 >>> RolloutConfig.from_mapping({"shadow": 5})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-narrative_gravity.rollout.RolloutError: rollout `shadow` (got 5): ... a share of requests, e.g. 0.05 for 5%
+narrative_gravity.profiles.rollout.RolloutError: rollout `shadow` (got 5): ... a share of requests, e.g. 0.05 for 5%
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = [
     "ARMS",

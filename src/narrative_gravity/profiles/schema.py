@@ -41,9 +41,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .errors import ProfileError
-from .fields.lexical import expand_keywords
-from .text import has_unspaced_script
+from ..errors import ProfileError
+from ..fields.lexical import expand_keywords
+from ..text import has_unspaced_script
 
 __all__ = [
     "THERMOSTAT_MAX_PER_STRENGTH",
@@ -365,7 +365,7 @@ class Lead(_Strict):
 
 class ContextLevel(_Strict):
     """The context level of a request's pipeline: prune its retrieved passages to a token budget before the
-    model reads them (:func:`narrative_gravity.context.prune_context`; see :mod:`narrative_gravity.pipeline`).
+    model reads them (:func:`narrative_gravity.levels.context.prune_context`; see :mod:`narrative_gravity.levels.pipeline`).
 
     The budget is ``budget_tokens``, or ``budget_share`` of the passages' own tokens, whichever is smaller
     (at least one of them is set; the default keeps 60% of the passages' tokens, the operating point measured
@@ -395,7 +395,7 @@ class ContextLevel(_Strict):
 
 class ConversationLevel(_Strict):
     """The memory level: the topic of the conversation's earlier turns joins the field
-    (:class:`~narrative_gravity.memory.TopicMemory`; its words become the profile's ``memory``)."""
+    (:class:`~narrative_gravity.levels.memory.TopicMemory`; its words become the profile's ``memory``)."""
 
     decay: float = Field(0.5, ge=0.0, lt=1.0, description="how much of the memory survives a turn")
     max_words: int = Field(12, ge=1, le=64, description="the most words remembered")
@@ -404,7 +404,7 @@ class ConversationLevel(_Strict):
 
 class PlanLevel(_Strict):
     """The plan level: draft outlines first, keep the best, and write stage by stage
-    (:mod:`narrative_gravity.plan`). Ignored when the profile writes its own ``stages``."""
+    (:mod:`narrative_gravity.levels.plan`). Ignored when the profile writes its own ``stages``."""
 
     drafts: int = Field(2, ge=1, le=8, description="outline drafts sampled in one batch")
     sections: int = Field(3, ge=1, le=8, description="sections per outline (one stage each)")
@@ -446,7 +446,7 @@ class Profile(_Strict):
     stages: list[StageSpec] | None = Field(
         None,
         min_length=1,
-        description="hand-written plan stages; the pull follows the current stage (see narrative_gravity.plan)",
+        description="hand-written plan stages; the pull follows the current stage (see narrative_gravity.levels.plan)",
     )
     memory: dict[str, float] | None = Field(
         None,

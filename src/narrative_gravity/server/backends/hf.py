@@ -39,14 +39,14 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ..errors import ConfigurationError
-from ..generation import eos_token_ids, left_pad
-from ..gravity.thermo import METRICS, Measurement, Trace
-from ..profile import Profile
-from ..steer import field_from_profile, processor_from_profile
-from .backend import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText, TokenStats
-from .grammar import GrammarLogitsProcessor, GuidanceGrammars
-from .structured import ResponseFormat
+from ...engines.hf_generate import eos_token_ids, left_pad
+from ...errors import ConfigurationError
+from ...gravity.thermo import METRICS, Measurement, Trace
+from ...profiles.build import field_from_profile, processor_from_profile
+from ...profiles.schema import Profile
+from ..grammar import GrammarLogitsProcessor, GuidanceGrammars
+from ..structured import ResponseFormat
+from .base import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText, TokenStats
 
 __all__ = [
     "GroupedGravityLogitsProcessor",
@@ -224,7 +224,7 @@ class HFBackend(TokenizerText):
     @classmethod
     def load(cls, name: str | os.PathLike[str] | None = None, *, device: str = "cpu") -> HFBackend:
         """Load a model the way the other commands do (``--model``: a name, a HF folder or a ``.gguf`` file)."""
-        from ..models import DEFAULT_MODEL, load_model
+        from ...models import DEFAULT_MODEL, load_model
 
         model, tokenizer = load_model(name, device=device)
         return cls(model, tokenizer, model_id=str(name) if name is not None else DEFAULT_MODEL)
