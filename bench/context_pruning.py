@@ -105,9 +105,11 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
 def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, max_new_tokens: int) -> dict[str, Any]:
     import torch
 
-    from narrative_gravity.engines.hf_generate import SamplingOptions, encode_prompts, generate
+    from narrative_gravity.engines.hf_generate import generate
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.engines.prompts import encode_prompts
 
-    opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0)
+    opts = GenerationOptions(max_new_tokens=max_new_tokens, temperature=0.0, batch_size=1)
     prompts, prune_s = [], []
     for c in cases:
         texts = [p.text for p in c.passages]
@@ -119,7 +121,7 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
         pruned = PROMPT.format(context=res.context(), question=c.question)
         prompts.append((full, pruned))
     for p in prompts[0]:  # warm-up, one per arm
-        generate(model, tok, [p], options=opts, batch_size=1)
+        generate(model, tok, [p], opts)
     out: dict[str, list[Any]] = {"full": [], "pruned": []}
     prefill: dict[str, list[float]] = {"full": [], "pruned": []}
     for i, pair in enumerate(prompts):
@@ -130,7 +132,7 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
             with torch.inference_mode():
                 model(input_ids=ids)
             prefill[arm].append(time.perf_counter() - t0)
-            r = generate(model, tok, [prompt], options=opts, batch_size=1)[0]
+            r = generate(model, tok, [prompt], opts)[0]
             out[arm].append((r, ids.shape[1]))
     answers = {arm: [r.text for r, _ in rows] for arm, rows in out.items()}
     gold = enc([c.gold_text for c in cases])

@@ -8,7 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from narrative_gravity.cli.main import _read_prompts, app
+from narrative_gravity.cli.common import read_prompts
+from narrative_gravity.cli.main import app
 
 runner = CliRunner()
 
@@ -62,7 +63,7 @@ def test_bad_profile_is_reported_with_the_key(tmp_path):
 def test_txt_prompts_skip_blank_lines(tmp_path):
     p = tmp_path / "p.txt"
     p.write_text("one\n\n two \n")
-    assert _read_prompts(p) == ["one", " two "]
+    assert read_prompts(p) == ["one", " two "]
 
 
 def test_negative_max_new_tokens_is_rejected(tmp_path):

@@ -150,7 +150,7 @@ def test_level_settings_are_validated() -> None:
 
 
 def test_answer_runs_every_level_on_the_transformers_engine(tiny_model: tuple[Any, Any]) -> None:
-    from narrative_gravity.engines.hf_generate import SamplingOptions
+    from narrative_gravity.engines.options import GenerationOptions
     from narrative_gravity.levels.answer import answer
     from servers import with_chat_template
 
@@ -163,7 +163,7 @@ def test_answer_runs_every_level_on_the_transformers_engine(tiny_model: tuple[An
         {"role": "user", "content": QUESTION},
     ]
     res = answer(turns, documents=PASSAGES, profile=prof, model=model, tokenizer=tok, encoder=ENC,
-                 options=SamplingOptions(max_new_tokens=8, temperature=0.0))  # fmt: skip
+                 options=GenerationOptions(max_new_tokens=8, temperature=0.0))  # fmt: skip
     assert res.text and len(res.token_ids) <= 8
     assert {"context", "memory"} <= set(res.report)
     assert "plan" in res.report or res.prepared.stages is None

@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import FieldError, ProfileError
 from narrative_gravity.fields.required import build_requirement, token_tables
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program
 from narrative_gravity.gravity.controllers import ConstantController
 from narrative_gravity.gravity.require import Requirement, RequireTables, advance_required, pull_required
-from narrative_gravity.profiles.build import processor_from_profile
 from narrative_gravity.profiles.schema import Profile
 
 V = 30

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import ConfigurationError, FieldError, ModelNotFoundError, VocabularyError
 from narrative_gravity.fields import (
     NarrativeField,
@@ -20,7 +21,7 @@ from narrative_gravity.fields import (
     semantic_scores,
 )
 from narrative_gravity.fields import semantic as sem
-from narrative_gravity.profiles.build import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile
 from narrative_gravity.profiles.schema import Profile
 
 DIM = 16

@@ -298,7 +298,7 @@ def test_grammar_processor_masks_only_its_rows(tiny_backend: HFBackend) -> None:
 @pytest.mark.parametrize("profile", [SPACE, THERMO, {**SPACE, "penalize": ["the"], "prune_threshold": -0.5}])
 def test_masked_tokens_stay_masked_under_every_schedule(tiny_backend: HFBackend, profile: dict[str, Any]) -> None:
     """The grammar's ``-inf`` survives the pull (``-inf + λ·a``); pruning may remove allowed tokens, never all."""
-    from narrative_gravity.profiles.build import processor_from_profile
+    from narrative_gravity.engines.hf import processor_from_profile
 
     fmt = parse_response_format(json_schema(CARD))
     grammar = GrammarLogitsProcessor(tiny_backend.grammars(), [fmt, fmt], prompt_width=2)

@@ -11,12 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import ConfigurationError, ProfileError
 from narrative_gravity.gravity import thermo
 from narrative_gravity.gravity.controllers import StepContext, StrengthController, ThermostatController
 from narrative_gravity.gravity.solve import MAX_THERMOSTAT_STRENGTH, MassProblem, solve_strength
 from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
-from narrative_gravity.profiles.build import controller_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import controller_from_profile
 from narrative_gravity.profiles.schema import Profile
 
 ITERS = 14

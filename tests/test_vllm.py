@@ -38,14 +38,16 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from narrative_gravity.cli.main import app
-from narrative_gravity.engines.hf_generate import SamplingOptions, vllm_engine
+from narrative_gravity.engines import vllm_generate
+from narrative_gravity.engines.hf import processor_from_profile
+from narrative_gravity.engines.options import GenerationOptions
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
     _V2LogitsProcessor,
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.profiles.build import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile
 from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, Profile
 
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
@@ -673,7 +675,7 @@ def generator() -> Any:
     """The engine that both commands below ask for (8 requests at once, a context of 512): started once,
     then reused by the CLI in this process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm_generate = vllm_engine()
+    vllm_generate.require_vllm()
     gen = vllm_generate.VLLMGenerator.load(None, max_num_seqs=8, longest=CLI_TOKENS + 16)
     yield gen
     vllm_generate.release_shared()
@@ -1114,14 +1116,14 @@ def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -
     """Traces are matched to requests by their outputs; a pull that decides every token makes different
     prompts write the same tokens, and each still gets its own trace (the one it has alone)."""
     heavy = Profile.from_mapping({"core_semantics": ["ocean"], "gravity_strength": 20.0, "schedule": "constant"})
-    options = SamplingOptions(max_new_tokens=4, temperature=0)
+    options = GenerationOptions(max_new_tokens=4, temperature=0, trace=True)
     ids = [generator.tokenizer(p)["input_ids"] for p in ("The planet", "A planet")]
-    both = generator.generate([*ids, ids[0]], options, heavy, record_trace=True)
+    both = generator.generate([*ids, ids[0]], options, heavy)
     assert both[0].token_ids == both[1].token_ids == both[2].token_ids, [o.token_ids for o in both]
     assert both[0].trace["mass"] != both[1].trace["mass"]  # the prompts differ, so do their traces
     assert both[2].trace == both[0].trace  # the same prompt twice: the same trace
     for i in (0, 1):
-        alone = generator.generate([ids[i]], options, heavy, record_trace=True)[0]
+        alone = generator.generate([ids[i]], options, heavy)[0]
         for key, values in alone.trace.items():
             assert both[i].trace[key] == pytest.approx(values, abs=1e-4), (i, key)
 
@@ -1129,7 +1131,7 @@ def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -
 def test_the_rows_of_one_seeded_call_sample_independently(generator: Any) -> None:
     """Each request of a seeded call gets its own seed: the same prompt twice in one call writes two
     different samples (one shared seed gave every row the same draws), and the call is reproducible."""
-    options = SamplingOptions(max_new_tokens=24, temperature=1.0, top_k=0, seed=7)
+    options = GenerationOptions(max_new_tokens=24, temperature=1.0, top_k=0, seed=7)
     ids = generator.tokenizer("Once upon a time")["input_ids"]
     first = [o.token_ids for o in generator.generate([ids, ids, ids], options)]
     again = [o.token_ids for o in generator.generate([ids, ids, ids], options)]

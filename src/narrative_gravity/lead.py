@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
+
+from .embeddings import encode
 from .text import has_unspaced_script
 
 if TYPE_CHECKING:
@@ -72,9 +75,6 @@ def central_words(words: Sequence[str], k: int) -> list[str]:
 
 @lru_cache(maxsize=1024)
 def _central(key: tuple[str, ...], k: int, words: tuple[str, ...]) -> tuple[str, ...]:
-    import torch
-
-    from .embeddings import encode
 
     vectors = encode(list(key))
     centre = torch.nn.functional.normalize(vectors.mean(0), dim=0)

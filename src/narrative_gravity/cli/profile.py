@@ -1,4 +1,4 @@
-"""``ngrav profile``: the profile store from the command line. Only typer is imported up front.
+"""``ngrav profile``: the profile store from the command line (the store needs no torch; promote and report do).
 
 Examples::
 
@@ -17,15 +17,20 @@ Examples::
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
+from ..engines.options import GenerationOptions
+from ..profiles.schema import load_profile
+from ..profiles.store import ProfileStore, StoreDamagedError
 from .common import fail as _fail
-
-if TYPE_CHECKING:
-    from ..profiles.store import ProfileStore
+from .common import guarded as _guard
 
 __all__ = ["profile_app"]
 
@@ -69,27 +74,12 @@ def _options(
     ctx.ensure_object(dict)["store"] = store
 
 
-def _guard(fn: Any) -> Any:
-    from ..errors import NarrativeGravityError
-
-    try:
-        return fn()
-    except NarrativeGravityError as exc:
-        _fail(str(exc))
-
-
 def _store(ctx: typer.Context) -> ProfileStore:
-    from ..profiles.store import ProfileStore
-
     return _guard(lambda: ProfileStore(ctx.ensure_object(dict).get("store")))
 
 
 def _console(*, wide: bool = False) -> Any:
     """The stdout console; ``wide`` tables get 150 columns when stdout is not a terminal (a pipe, a file)."""
-    import sys
-
-    from rich.console import Console
-
     return Console(width=150 if wide and not sys.stdout.isatty() else None)
 
 
@@ -99,9 +89,6 @@ def list_profiles(ctx: typer.Context) -> None:
 
     Example: ngrav profile list
     """
-    from rich.markup import escape
-    from rich.table import Table
-
     store = _store(ctx)
     infos = _guard(store.list)
     if not infos:
@@ -156,8 +143,6 @@ def set_profile(
 
     Example: ngrav profile set space profiles/space.yaml --message "stronger pull"
     """
-    from ..profiles.schema import load_profile
-
     store = _store(ctx)
     profile = _guard(lambda: load_profile(file))
     version = _guard(lambda: store.set(name, profile, message=message))
@@ -170,9 +155,6 @@ def history(ctx: typer.Context, name: NameArg) -> None:
 
     Example: ngrav profile history space
     """
-    from rich.markup import escape
-    from rich.table import Table
-
     store = _store(ctx)
     infos, live, moves = _guard(lambda: (store.history(name), store.live_version(name), store.live_history(name)))
     table = Table(title=f"history of {escape(name)} (live: version {live})")
@@ -207,9 +189,6 @@ def diff(
     """
     store = _store(ctx)
     if keys:
-        from rich.markup import escape
-        from rich.table import Table
-
         changes = _guard(lambda: store.changes(name, a, b))
         if not changes:
             typer.echo(f"{name}: versions {a} and {b} are identical")
@@ -259,8 +238,6 @@ def stage(
 
     Example: ngrav profile stage space profiles/space_v2.yaml --message "stronger pull"
     """
-    from ..profiles.schema import load_profile
-
     store = _store(ctx)
     profile = _guard(lambda: load_profile(file))
     version = _guard(lambda: store.stage(name, profile, message=message))
@@ -318,14 +295,10 @@ def promote(
 
         ngrav profile promote space --version 3 --no-check
     """
-    from rich.markup import escape
-
     store = _store(ctx)
     if no_check:
         if prompts or limit:
             _fail("--no-check moves the pointer without an eval; leave out --prompts and --limit, or --no-check")
-        from ..profiles.store import StoreDamagedError
-
         try:
             before: int | str = store.live_version(name)
         except StoreDamagedError:
@@ -340,35 +313,18 @@ def promote(
             "give --prompts SET and at least one --limit METRIC:DELTA (e.g. --limit distinct_2:0.05), "
             "or --no-check to move the live pointer without an eval"
         )
-    from ..profiles.promote import Limit, evaluate_promotion
+    from ..profiles.promote import Limit, PromotionCheck, evaluate_promotion  # the evaluation: not for --help
 
     limits = [_guard(lambda spec=spec: Limit.parse(spec)) for spec in limit or []]
     if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
         _fail(f"--prompts {prompts!r} is neither a built-in set (topics, empath) nor a file; check the path")
-    from rich.console import Console
-
     err = Console(stderr=True, soft_wrap=True)
-    result = _guard(
-        lambda: evaluate_promotion(
-            store,
-            name,
-            limits,
-            prompts=prompts,
-            version=version,
-            out=out,
-            seeds=tuple(range(samples)),
-            max_new_tokens=max_new_tokens,
-            top_k=top_k,
-            temperature=temperature,
-            raw=raw,
-            batch_size=batch_size,
-            model_name=model,
-            judge=judge,
-            limit_prompts=limit_prompts,
-            console=err,
-            message=message,
-        )
-    )
+    options = _guard(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, batch_size=batch_size))
+    check = PromotionCheck(
+        prompts=prompts, version=version, out=out, seeds=tuple(range(samples)), options=options, model_name=model,
+        judge=judge, limit_prompts=limit_prompts, message=message,
+    )  # fmt: skip
+    result = _guard(lambda: evaluate_promotion(store, name, limits, check, console=err))
     if json_out:
         typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     else:
@@ -386,9 +342,6 @@ def promote(
 
 
 def _checks_table(result: Any) -> Any:
-    from rich.markup import escape
-    from rich.table import Table
-
     table = Table(
         title=f"{escape(result.name)}: candidate {result.candidate} vs live {result.live}, paired (prompt, seed), "
         "95% bootstrap interval"
@@ -444,9 +397,6 @@ def rollout(
 
         ngrav profile rollout space --clear
     """
-    from rich.markup import escape
-    from rich.table import Table
-
     store = _store(ctx)
     changing = clear or no_split or shadow is not None or split_version is not None or split_share is not None
     if history:
@@ -519,11 +469,11 @@ def report(
 
         ngrav profile report space --server http://127.0.0.1:8000 --json
     """
+    from ..profiles.report import build_report, render_report  # the statistics import the evaluation
+
     if server is not None:
         data = _remote_report(server, name, api_key)
     else:
-        from ..profiles.report import build_report
-
         store = _store(ctx)
         live = _guard(lambda: store.live_version(name))  # an unknown name fails here, with a did-you-mean
         data = _guard(lambda: build_report(name, store.arms_log(name).read()))
@@ -531,15 +481,13 @@ def report(
     if json_out:
         typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
         return
-    from ..profiles.report import render_report
-
     console = _console(wide=True)
     for part in render_report(data):
         console.print(part)
 
 
 def _remote_report(server: str, name: str, api_key: str | None) -> dict[str, Any]:
-    import httpx
+    import httpx  # the `dev` extra; only this option needs it
 
     url = server.rstrip("/") + f"/v1/profiles/{name}/report"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..plots import plot_traces, pyplot
 from .metrics import METRICS
 from .stats import BETTER, NO_CLEAR, WORSE, PairedComparison, bootstrap_ci, paired_bootstrap, summary_line
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
@@ -184,14 +185,7 @@ def build_summary(
 
 
 def _plt() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - depends on the environment
-        return None
-    return plt
+    return pyplot()
 
 
 def _arm_colors(arms: Sequence[str]) -> dict[str, str]:
@@ -291,7 +285,6 @@ def plot_pareto(summary: dict[str, Any], path: Path) -> Path | None:
 def plot_thermo(traces: dict[str, list[dict[str, list[float]]]], path: Path) -> Path | None:
     if _plt() is None or not any(traces.values()):
         return None
-    from ..plots import plot_traces
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

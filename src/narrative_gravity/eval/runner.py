@@ -34,12 +34,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engines.hf_generate import SamplingOptions, check_engine, encode_prompts, sample_ids, vllm_engine
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
+from ..engines.hf import NarrativeGravityLogitsProcessor, processor_from_profile
+from ..engines.hf_generate import sample_ids
+from ..engines.options import GenerationOptions, check_engine
+from ..engines.prompts import encode_prompts
 from ..errors import ConfigurationError, NarrativeGravityError
+from ..fields import NarrativeField
 from ..gravity.thermo import Trace
 from ..lead import lead_sentence, reading_profile
+from ..models import load_model, load_tokenizer
 from ..profiles.build import field_from_profile, program_from_profile
-from ..profiles.schema import TOPIC_DEFAULTS, Profile
+from ..profiles.schema import TOPIC_DEFAULTS, Profile, load_profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
 from .prompts import TOPIC_SETS, EvalPrompt, limit_prompts, load_prompts
@@ -223,7 +241,6 @@ processor, which vLLM cannot run; evaluate it with --engine hf, or leave it out 
 
 def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
     """Arms from ``--profile`` specs: a profile file, ``auto``, ``auto:TEMPLATE_FILE``, ``article``, ``weighted:λ``."""
-    from ..profiles.schema import load_profile
 
     arms: dict[str, _Arm] = {}
     for spec in specs:
@@ -248,7 +265,6 @@ def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
 
 def make_plan(settings: EvalSettings, prompts: Sequence[EvalPrompt] | None = None) -> _Plan:
     """Load prompts and profiles, assign profiles to prompts, and cut the batches (see the module doc)."""
-    from ..profiles.schema import load_profile
 
     items = limit_prompts(prompts if prompts is not None else load_prompts(settings.prompts), settings.limit_prompts)
     arms = _load_arms(settings.profiles)
@@ -395,9 +411,9 @@ class _Runner:
         self.metrics = metrics
         self.say = report
 
-    def options(self, seed: int, max_new_tokens: int | None = None) -> SamplingOptions:
+    def options(self, seed: int, max_new_tokens: int | None = None) -> GenerationOptions:
         """The run's sampling settings with ``seed`` (and another budget, for a warm-up)."""
-        return SamplingOptions(
+        return GenerationOptions(
             max_new_tokens=max_new_tokens or self.s.max_new_tokens,
             top_k=self.s.top_k,
             temperature=self.s.temperature,
@@ -436,7 +452,6 @@ class _Runner:
 
     def warmup(self) -> None:
         first = next(iter(self.plan.prompts.values()))
-        import torch
 
         ids = encode_prompts(self.tok, [first.text], raw=self.s.raw_mode)[0]
         opts = self.options(0, max_new_tokens=2)
@@ -453,15 +468,9 @@ class _Runner:
         return field_from_profile(self.plan.profile_for(arm, prompt), self.tok, model=self.model)
 
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
-        from ..engines.hf import NarrativeGravityLogitsProcessor
-        from ..fields import NarrativeField
-        from ..gravity.thermo import Trace
-        from ..profiles.build import processor_from_profile
 
         base = self.plan.arms[arm].baseline if arm != CONTROL else None
         if base is not None:
-            from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
-
             kind, lam = base
             if kind == "article":
                 return ArticleGravityLogitsProcessor(self.tok, prompt.topic_words, gravity_strength=lam)
@@ -477,7 +486,6 @@ class _Runner:
             )
         # Control measures with the field of the chunk's first profile that builds (narrative mass in the
         # trace); with none, a zero field still records entropy.
-        import torch
 
         for a in chunk.arms:
             try:
@@ -620,7 +628,7 @@ class _VLLMRunner(_Runner):
     def generate(self, prompts: Sequence[str], seed: int, processor: Any, lead: str | None = None) -> list[_Generated]:
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode, lead=lead)
         t0 = time.perf_counter()
-        outs = self.gen.generate(encoded, self.options(seed), processor, record_trace=True)
+        outs = self.gen.generate(encoded, self.options(seed).replace(trace=True), processor)
         elapsed = time.perf_counter() - t0
         return [
             _Generated(
@@ -675,14 +683,17 @@ def run_eval(
     ``generator`` (a :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`) replaces ``model`` and
     ``tokenizer``; by default one is started on ``settings.model``, sized for the prompts and ``batch_size``.
     """
-    from rich.console import Console
 
     console = console if console is not None else Console(stderr=True, soft_wrap=True)
     out = Path(out_dir)
     store = ResultStore(out / RESULTS)
     metrics = settings.metric_list()
     plan = make_plan(settings, prompts)
-    vllm_generate = vllm_engine() if settings.engine == "vllm" and generator is None else None
+    vllm_generate = None
+    if settings.engine == "vllm" and generator is None:
+        from ..engines import vllm_generate  # imports vLLM, which lives in its own venv: only for engine="vllm"
+
+        vllm_generate.require_vllm()
     manifest = run_manifest(settings, plan)
     run_file = out / RUN_FILE
     if resume and run_file.exists():
@@ -706,8 +717,6 @@ def run_eval(
         if vllm_generate is not None:
             generator = _start_vllm(vllm_generate, settings, plan, console)
         elif settings.engine == "hf" and (model is None or tokenizer is None):
-            from ..models import load_model
-
             with console.status(f"loading {settings.model or 'smollm2'}"):
                 model, tokenizer = load_model(settings.model)
         if ctx is None:
@@ -739,7 +748,6 @@ def run_eval(
 
 def _start_vllm(vllm_generate: Any, settings: EvalSettings, plan: _Plan, console: Any) -> Any:
     """A vLLM engine on ``settings.model`` for ``batch_size`` requests at once, long enough for every prompt."""
-    from ..models import load_tokenizer
 
     tok = load_tokenizer(settings.model)
     encoded = encode_prompts(tok, [p.text for p in plan.prompts.values()], raw=settings.raw_mode)
@@ -761,15 +769,6 @@ def _loop(
     progress: bool,
     console: Any,
 ) -> None:
-    from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     failures = ResultStore(out / FAILURES)
     bar = Progress(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,8 +24,9 @@ import torch
 
 from ..errors import ConfigurationError, FieldError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport, merge_fields
+from ..text import expand_tracked, word_list
 
-__all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms", "weighted_lexical_field"]
+__all__ = ["build_lexical_field", "reach", "surface_forms", "weighted_lexical_field"]
 
 # Anchors put in front of a word to get its after-a-space form: encode("a planet") minus encode("a").
 _ANCHORS = ("a", "The", "x", "0", ".")
@@ -35,20 +36,6 @@ _CJK = re.compile(
     "\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff00-\uffef\U00020000-\U0003134f]"
 )
 PENALIZE_WINS = "also listed in penalize; penalize wins"
-
-
-def expand_keywords(words: Iterable[str]) -> list[str]:
-    """Split ``snake_case`` compounds into their words and keep the phrase; strip, drop empties, dedupe.
-
-    Runs of whitespace inside a phrase become one space. A single string counts as one word.
-
-    >>> expand_keywords(["binary_search", " planet ", "planet", "", "deep  space"])
-    ['binary', 'search', 'binary search', 'planet', 'deep space']
-    """
-    out: list[str] = []
-    for _raw, expanded in _expand_tracked(_as_list(words, "words")):
-        out.extend(expanded)
-    return list(dict.fromkeys(out))
 
 
 def surface_forms(tokenizer: Any, word: str) -> list[tuple[int, ...]]:
@@ -73,7 +60,7 @@ def reach(tokenizer: Any, words: Iterable[str], *, max_pieces: int | None = None
     """
     if max_pieces is not None and max_pieces < 1:
         raise FieldError(f"max_pieces must be >= 1, got {max_pieces}")
-    stripped = [" ".join(str(w).split()) for w in _as_list(words, "words")]
+    stripped = [" ".join(str(w).split()) for w in word_list(words, "words")]
     todo = list(dict.fromkeys(w for w in stripped if w))
     ok: dict[str, bool] = {}
     for w, a in zip(todo, _Tokenizer(tokenizer).analyze(todo)):
@@ -117,8 +104,8 @@ def build_lexical_field(
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
 
-    core_tracked = _expand_tracked(_as_list(core, "core"))
-    pen_tracked = _expand_tracked(_as_list(penalize, "penalize"))
+    core_tracked = expand_tracked(word_list(core, "core"))
+    pen_tracked = expand_tracked(word_list(penalize, "penalize"))
     unusable: dict[str, str] = {}
     for raw, expanded in [*core_tracked, *pen_tracked]:
         if not expanded:
@@ -248,28 +235,6 @@ class _Form:
 class _Analysis:
     forms: list[_Form]
     reason: str | None  # why no form is valid (None when `forms` is not empty)
-
-
-def _as_list(words: Iterable[str] | str, label: str) -> list[str]:
-    if isinstance(words, str):
-        return [words]
-    try:
-        return [str(w) for w in words]
-    except TypeError as exc:
-        raise FieldError(f"{label} must be an iterable of strings, got {type(words).__name__}") from exc
-
-
-def _expand_tracked(words: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """For each raw word, the words it expands to (empty list when nothing is left)."""
-    out = []
-    for raw in words:
-        parts = [" ".join(p.split()) for p in raw.split("_")]
-        parts = [p for p in parts if p]
-        expanded = list(parts)
-        if len(parts) > 1:
-            expanded.append(" ".join(parts))
-        out.append((raw, expanded))
-    return out
 
 
 def _case_variants(word: str) -> list[str]:

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import FieldError, ModelNotFoundError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport
-from .lexical import expand_keywords
+from ..text import expand_keywords
 
 __all__ = [
     "MINILM_INSTALL",

@@ -22,16 +22,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.hf_generate import SamplingOptions, chat_ids, sample_ids
+from ..engines.hf import processor_from_profile
+from ..engines.hf_generate import sample_ids
+from ..engines.options import GenerationOptions
+from ..engines.prompts import chat_ids
 from ..errors import ConfigurationError
 from ..lead import lead_messages, lead_sentence, reading_profile
 from ..profiles.schema import Profile
 from .pipeline import Prepared, parse_documents, prepare, split_documents, stage_report
+from .plan import DRAFT_OPTIONS
 
-__all__ = ["DRAFT_OPTIONS", "Answer", "answer"]
+__all__ = ["ANSWER_OPTIONS", "Answer", "answer"]
 
-DRAFT_OPTIONS = SamplingOptions(max_new_tokens=28, top_k=40, temperature=0.8)
-"""How outline drafts are sampled (the plan level); ``max_new_tokens`` comes from the profile's ``plan``."""
+ANSWER_OPTIONS = GenerationOptions(max_new_tokens=64, temperature=0.0)
+"""How :func:`answer` decodes unless told otherwise: greedy, up to 64 tokens."""
 
 
 @dataclass
@@ -52,7 +56,7 @@ def answer(
     model: Any = None,
     tokenizer: Any = None,
     vllm: Any = None,
-    options: SamplingOptions = SamplingOptions(max_new_tokens=64, temperature=0.0),
+    options: GenerationOptions = ANSWER_OPTIONS,
     encoder: Any = None,
 ) -> Answer:
     """Answer the conversation's last user message with every level the profile switches on.
@@ -71,11 +75,9 @@ def answer(
     msgs, inline = split_documents(messages)
     passages = [*parse_documents(documents), *inline]
 
-    def write(prompt_ids: list[list[int]], opts: SamplingOptions, prof: Profile | None) -> list[list[int]]:
+    def write(prompt_ids: list[list[int]], opts: GenerationOptions, prof: Profile | None) -> list[list[int]]:
         if vllm is not None:
             return [list(o.token_ids) for o in vllm.generate(prompt_ids, opts, prof)]
-        from ..profiles.build import processor_from_profile
-
         procs = (
             [] if prof is None else [processor_from_profile(prof, tok, max_new_tokens=opts.max_new_tokens, model=model)]
         )
@@ -83,7 +85,7 @@ def answer(
 
     def draft(prompts: list[str], max_tokens: int) -> list[str]:
         ids = [chat_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
-        opts = SamplingOptions(max_tokens, DRAFT_OPTIONS.top_k, DRAFT_OPTIONS.temperature, options.seed)
+        opts = DRAFT_OPTIONS.replace(max_new_tokens=max_tokens, seed=options.seed)
         return [tok.decode(row, skip_special_tokens=True) for row in write(ids, opts, None)]
 
     prepared = prepare(msgs, passages, profile, tokenizer=tok, encoder=encoder, draft=draft)

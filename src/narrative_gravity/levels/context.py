@@ -31,6 +31,7 @@ IDF with an epsilon heuristic; here IDF is Lucene's ``log(1 + (N - df + 0.5) / (
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
+from rich.table import Table
 
+from ..embeddings import encode
 from ..errors import ConfigurationError
 from ..text import STOPWORDS, content_words, stem, words
 
@@ -140,7 +144,6 @@ def hashing_encoder(dim: int = 512) -> Encoder:
     >>> bool(e[0] @ e[1] > 0.99), bool(abs(e[0] @ e[2]) < 1e-6)
     (True, True)
     """
-    import hashlib
 
     def encode(texts: Sequence[str]) -> np.ndarray:
         out = np.zeros((len(texts), dim), dtype=np.float32)
@@ -155,7 +158,6 @@ def hashing_encoder(dim: int = 512) -> Encoder:
 
 
 def _default_encoder() -> Encoder:
-    from ..embeddings import encode
 
     return encode
 
@@ -436,8 +438,6 @@ def prune_context(
 
 def result_table(result: PruneResult, *, width: int = 60) -> Any:
     """A ``rich`` table of the decisions, kept chunks first (by rank), then dropped ones (by score)."""
-    from rich.markup import escape
-    from rich.table import Table
 
     title = (
         f"{len(result.kept)} of {len(result.decisions)} chunks kept: {result.tokens_kept} of "

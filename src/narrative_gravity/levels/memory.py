@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ..engines.hf import NarrativeGravityLogitsProcessor
-from ..engines.hf_generate import SamplingOptions, chat_ids, eos_token_ids
+from ..engines.options import GenerationOptions
+from ..engines.prompts import chat_ids, eos_token_ids
 from ..errors import ConfigurationError
 from ..fields import NarrativeField
 from ..fields.lexical import weighted_lexical_field
@@ -33,7 +34,7 @@ from ..gravity.field import merge_fields
 from ..profiles.build import controller_from_profile, field_from_profile
 from ..text import STOPWORDS, content_words, word_set
 
-__all__ = ["Conversation", "TopicMemory", "merge_fields", "weighted_lexical_field"]
+__all__ = ["CHAT_OPTIONS", "Conversation", "TopicMemory", "merge_fields", "weighted_lexical_field"]
 
 # chatty words that say nothing about the topic of a turn
 _CHAT_WORDS = word_set(
@@ -132,12 +133,17 @@ def _scaled(weights: Mapping[str, float]) -> dict[str, float]:
     return {w: x / top for w, x in weights.items()}
 
 
+CHAT_OPTIONS = GenerationOptions(max_new_tokens=96, temperature=0.0)
+"""How a :class:`Conversation` answers unless told otherwise: greedy, up to 96 tokens."""
+
+
 class Conversation:
     """A chat whose every answer is pulled toward the conversation's remembered topic (and a profile's field).
 
     ``say(user_text)`` builds the field from the memory (with the new message previewed), merges it with the
     profile's field when a profile is given, generates the answer with the chat template over the last
-    ``history_turns`` exchanges, then updates the memory with the message and the answer.
+    ``history_turns`` exchanges, then updates the memory with the message and the answer. ``options``: the
+    budget and sampling of each answer (each turn is seeded with ``options.seed`` plus the turns so far).
     """
 
     def __init__(
@@ -148,10 +154,7 @@ class Conversation:
         profile: Any = None,
         memory: TopicMemory | None = None,
         strength: float | None = None,
-        max_new_tokens: int = 96,
-        temperature: float = 0.0,
-        top_k: int = 10,
-        seed: int = 0,
+        options: GenerationOptions = CHAT_OPTIONS,
         system: str | None = None,
         history_turns: int = 4,
     ) -> None:
@@ -163,7 +166,7 @@ class Conversation:
         self.profile = profile
         self.memory = memory if memory is not None else TopicMemory()
         self.strength = strength
-        self.options = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+        self.options = options
         self.system = system
         self.history_turns = history_turns
         self.history: list[dict[str, str]] = []

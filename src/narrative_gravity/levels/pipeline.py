@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..eval.metrics import contains_any
 from ..profiles.schema import Profile
+from .context import count_tokens, narrative_text, prune_context
+from .memory import TopicMemory
+from .plan import outline_prompt, score_outlines, select_outlines, stages_from_outline
+from .token_encoder import token_encoder
 
 __all__ = [
     "CONTEXT_TEMPLATE",
@@ -193,7 +198,6 @@ def prepare(
 def _context_level(
     question: str, passages: Sequence[Passage], profile: Profile | None, tokenizer: Any, encoder: Any
 ) -> tuple[str, dict[str, Any]]:
-    from .context import count_tokens, prune_context
 
     chunks = [{"id": p.id, "text": p.text} for p in passages]
     level = profile.context if profile is not None else None
@@ -204,8 +208,6 @@ def _context_level(
         return "\n\n".join(p.text for p in passages), info
     used = "given" if encoder is not None else level.encoder if tokenizer is not None else "minilm"
     if used == "tokens":
-        from .token_encoder import token_encoder
-
         encoder = token_encoder(tokenizer)
     total = sum(count_tokens([p.text for p in passages], tokenizer))
     budgets = [b for b in (level.budget_tokens, int(level.budget_share * total) if level.budget_share else None) if b]
@@ -250,7 +252,6 @@ def _turns(messages: Sequence[Mapping[str, str]]) -> list[tuple[str, str | None]
 
 
 def _memory_level(earlier: Sequence[Mapping[str, str]], question: str, profile: Profile) -> dict[str, float]:
-    from .memory import TopicMemory
 
     level = profile.conversation
     memory = TopicMemory(decay=level.decay, max_words=level.max_words, answer_weight=level.answer_weight)
@@ -264,8 +265,6 @@ def _memory_level(earlier: Sequence[Mapping[str, str]], question: str, profile: 
 def _plan_level(
     question: str, profile: Profile, draft: Draft, encoder: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from .context import narrative_text
-    from .plan import outline_prompt, score_outlines, select_outlines, stages_from_outline
 
     level = profile.plan
     texts = draft([outline_prompt(question, level.sections)] * level.drafts, level.outline_tokens)
@@ -291,7 +290,6 @@ def stage_report(stages: Sequence[Mapping[str, Any]] | None, text: str) -> list[
     >>> stage_report([{"name": "a", "core_semantics": ["orbit", "moon"]}], "The Moon rises.")
     [{'name': 'a', 'reached': True, 'words': ['moon']}]
     """
-    from ..eval.metrics import contains_any
 
     out = []
     for s in stages or ():

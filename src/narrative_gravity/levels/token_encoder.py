@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..fields import semantic
+from ..text import STOPWORDS
+
 __all__ = ["TokenTableEncoder", "token_encoder"]
 
 
@@ -77,8 +80,6 @@ def token_encoder(tokenizer: Any) -> TokenTableEncoder:
         hit = _CACHE.get(tokenizer)
     if hit is not None:
         return hit
-    from ..fields import semantic
-    from ..text import STOPWORDS
 
     vocab = semantic._vocab(tokenizer, len(tokenizer))
     table = semantic._minilm_token_matrix(tokenizer, vocab, semantic.resolve_semantic_cache(None), True)

@@ -1,10 +1,19 @@
-"""From a profile to a ready processor: build the field once per (profile, tokenizer) and pick the controller.
+"""From a profile to the kernel's :class:`~narrative_gravity.gravity.kernel.Program`: the field (built once per
+profile and tokenizer, and cached), the schedule, the stages and the required words. Every engine builds its rows
+from :func:`program_from_profile`; nothing here knows an engine.
+
+Stages (hand-written in a profile, or the sections of a drafted outline) compile here too: :func:`parse_stages`
+checks them and :func:`stage_plan` gives each a lexical field of its words (:class:`Stage` →
+:class:`~narrative_gravity.gravity.stages.StagePlan`).
 
 >>> from narrative_gravity.profiles.schema import Profile
 >>> controller_from_profile(Profile(core_semantics=["orbit"], schedule="constant", gravity_strength=2.0))
 ConstantController(2.0)
 >>> controller_from_profile(Profile(core_semantics=["orbit"], gravity_strength=3.0))  # the topic default
 ThermostatController(max_strength=8.5)
+>>> [s.share for s in parse_stages([{"name": "a", "core_semantics": ["x"], "share": 0.25},
+...                                {"name": "b", "core_semantics": ["y"]}])]
+[0.25, 0.75]
 """
 
 from __future__ import annotations
@@ -12,26 +21,35 @@ from __future__ import annotations
 import json
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..engines.hf import NarrativeGravityLogitsProcessor
+import torch
+
 from ..errors import ConfigurationError
-from ..fields import NarrativeField
-from ..fields.lexical import weighted_lexical_field
+from ..fields import NarrativeField, combine_fields
+from ..fields.lexical import build_lexical_field, reach, surface_forms, weighted_lexical_field
+from ..fields.neighbours import neighbour_words
+from ..fields.required import build_requirement
+from ..fields.semantic import build_semantic_field
 from ..gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from ..gravity.field import merge_fields
 from ..gravity.kernel import Program
 from ..gravity.require import Requirement
-from ..gravity.thermo import Trace
-from ..levels.plan import stage_plan
+from ..gravity.stages import StagePlan
 from .schema import Profile
 
 __all__ = [
+    "FIELD_CACHE_SIZE",
+    "Stage",
+    "build_stage_fields",
     "controller_from_profile",
     "field_from_profile",
-    "processor_from_profile",
+    "parse_stages",
     "program_from_profile",
     "requirement_from_profile",
+    "stage_plan",
 ]
 
 # Most recently used last. Entries hold the tokenizer (and a weak reference to the model) they were built for: an ``id`` alone can be
@@ -83,8 +101,6 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
 
 
 def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField:
-    from ..fields.lexical import build_lexical_field
-
     opts = profile.field
     name = profile.name or "profile"
     lexical = None
@@ -100,8 +116,6 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
         )
     if opts.mode == "lexical":
         return lexical
-    from ..fields.semantic import build_semantic_field, combine_fields
-
     semantic = build_semantic_field(
         tokenizer,
         opts.semantic_topic if opts.semantic_topic is not None else profile.keywords(),
@@ -126,8 +140,6 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
 
 def _with_neighbours(profile: Profile, tokenizer: Any, built: NarrativeField) -> NarrativeField:
     """``built`` with the ``field.neighbours`` whole words nearest the topic pulled lexically (max of the two)."""
-    from ..fields.neighbours import neighbour_words
-
     opts = profile.field
     topic = opts.semantic_topic if opts.semantic_topic is not None else profile.keywords()
     words = neighbour_words(
@@ -163,8 +175,6 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
     if hit is not None and hit[0] is tokenizer:
         _REQUIRE_CACHE.move_to_end(key)
         return hit[1]
-    from ..fields.required import build_requirement
-
     opts = profile.require
     built = build_requirement(
         tokenizer,
@@ -202,56 +212,134 @@ def controller_from_profile(profile: Profile) -> ScheduleController:
     return PhaseScheduleController(profile.gravity_strength, **profile.controller_kwargs())
 
 
-def program_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None, key: str = "") -> Program:
+# --------------------------------------------------------------------------------------------------
+# stages
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One section of a plan: a name, the words it should cover, and its share of the token budget."""
+
+    name: str
+    core_semantics: list[str]
+    share: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "core_semantics": list(self.core_semantics), "share": round(self.share, 4)}
+
+
+def parse_stages(stages: Sequence[Mapping[str, Any] | Stage]) -> list[Stage]:
+    """Validate hand-written stages; shares left out split what the given shares leave, equally.
+
+    Each entry needs ``core_semantics`` (a non-empty list of words); ``name`` defaults to ``stage N``;
+    ``share`` is a fraction in ``(0, 1]``. Shares that add up to more than 1 are an error.
+    """
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        raise ConfigurationError(
+            f"`stages` has to be a non-empty list of {{name, core_semantics, share}} mappings, but is {stages!r}"
+        )
+    names, words, shares = [], [], []
+    for i, s in enumerate(stages):
+        if isinstance(s, Stage):
+            s = s.to_json()
+        if not isinstance(s, Mapping):
+            raise ConfigurationError(f"stages[{i}] has to be a mapping, but is {type(s).__name__}")
+        extra = set(s) - {"name", "core_semantics", "share"}
+        if extra:
+            raise ConfigurationError(
+                f"stages[{i}] has unknown keys {sorted(extra)}; allowed are name, core_semantics, share"
+            )
+        ws = s.get("core_semantics")
+        if isinstance(ws, str) or not isinstance(ws, Sequence) or not [w for w in ws if str(w).strip()]:
+            raise ConfigurationError(f"stages[{i}].core_semantics has to be a non-empty list of words, but is {ws!r}")
+        share = s.get("share")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise ConfigurationError(f"stages[{i}].share has to be a number in (0, 1], but is {share!r}")
+        names.append(str(s.get("name") or f"stage {i + 1}"))
+        words.append([str(w).strip() for w in ws if str(w).strip()])
+        shares.append(None if share is None else float(share))
+    given = sum(x for x in shares if x is not None)
+    if given > 1 + 1e-9:
+        raise ConfigurationError(f"stage shares add up to {given:g}, more than 1; lower them or leave some out")
+    missing = [i for i, x in enumerate(shares) if x is None]
+    rest = (1.0 - given) / len(missing) if missing else 0.0
+    if missing and rest <= 0:
+        raise ConfigurationError(
+            "the given stage shares use the whole budget and leave nothing for stages without a share"
+        )
+    return [Stage(n, w, x if x is not None else rest) for n, w, x in zip(names, words, shares)]
+
+
+def build_stage_fields(tokenizer: Any, stages: Sequence[Stage], **kwargs: Any) -> list[NarrativeField]:
+    """One lexical field per stage, from the stage's reachable words (``kwargs`` go to
+    :func:`~narrative_gravity.fields.build_lexical_field`). A stage with no reachable word gets a zero field."""
+    out = []
+    for s in stages:
+        ok, _ = reach(tokenizer, s.core_semantics, max_pieces=kwargs.get("max_pieces", 8))
+        if ok:
+            out.append(build_lexical_field(tokenizer, ok, name=s.name, **kwargs))
+        else:
+            out.append(NarrativeField(values=torch.zeros(kwargs.get("vocab_size") or len(tokenizer)), name=s.name))
+    return out
+
+
+def stage_plan(
+    tokenizer: Any,
+    stages: Sequence[Stage] | Sequence[Mapping[str, Any]],
+    *,
+    base: NarrativeField | None = None,
+    base_weight: float = 1.0,
+    cover_fraction: float = 0.5,
+) -> StagePlan:
+    """The kernel's :class:`~narrative_gravity.gravity.stages.StagePlan` of ``stages`` for ``tokenizer``.
+
+    Each stage gets a lexical field of its reachable words (:func:`build_stage_fields`) and the token ids
+    of their surface forms, so that a row moves on once it has written ``cover_fraction`` of them. ``base``
+    is a field every stage keeps under its own (for example the semantic field of the whole prompt): each
+    stage's positive values become ``max(stage, base_weight × base)``, its penalties win
+    (:func:`~narrative_gravity.fields.combine_fields`).
+    """
+    parsed = parse_stages(stages)
+    fields = build_stage_fields(tokenizer, parsed)
+    if base is not None:
+        fields = [combine_fields(f, base, weight=base_weight) for f in fields]
+    words = []
+    for s in parsed:
+        ok, _ = reach(tokenizer, s.core_semantics, max_pieces=8)
+        words.append(tuple(tuple(tuple(f) for f in surface_forms(tokenizer, w)) for w in ok))
+    return StagePlan(
+        fields=tuple(fields),
+        shares=tuple(s.share for s in parsed),
+        words=tuple(words),
+        cover_fraction=cover_fraction,
+        names=tuple(s.name for s in parsed),
+    )
+
+
+def program_from_profile(
+    profile: Profile,
+    tokenizer: Any,
+    *,
+    model: Any = None,
+    key: str = "",
+    controller: ScheduleController | None = None,
+) -> Program:
     """The kernel's :class:`~narrative_gravity.gravity.kernel.Program` for a profile: its field (or stages),
-    its schedule, ``repeat_weight``, ``prune_threshold`` and ``require``. Every engine builds its rows from this."""
+    its schedule, ``repeat_weight``, ``prune_threshold`` and ``require``. Every engine builds its rows from this.
+
+    ``controller``: the profile's :func:`controller_from_profile`, when the caller has built it already.
+    """
     field = field_from_profile(profile, tokenizer, model=model)
-    controller = controller_from_profile(profile)
+    controller = controller if controller is not None else controller_from_profile(profile)
     stages = None
     if profile.stages:
         stages = stage_plan(tokenizer, [s.model_dump(exclude_none=True) for s in profile.stages])
     return Program(
         field=field,
         stages=stages,
-        schedule=controller.schedule(len(controller._rows))[0],
+        schedule=controller.schedule(1)[0],  # a profile has one base strength
         repeat_weight=profile.field.repeat_weight,
         prune_threshold=profile.prune_threshold,
         requirement=requirement_from_profile(profile, tokenizer),
         key=key,
-    )
-
-
-def processor_from_profile(
-    profile: Profile,
-    tokenizer: Any,
-    *,
-    max_new_tokens: int | None = None,
-    trace: Trace | None = None,
-    measure_only: bool = False,
-    model: Any = None,
-    inplace: bool = False,
-) -> NarrativeGravityLogitsProcessor:
-    """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` for ``model.generate``.
-
-    The profile's :func:`program_from_profile`: its field, or its ``stages`` (whose shares divide
-    ``max_new_tokens``). ``measure_only`` always measures against the profile's own field. ``model`` is
-    needed only for a semantic field built from the generator's own embeddings. ``inplace``: pull the scores
-    where they are (see :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor`).
-    """
-    program = program_from_profile(profile, tokenizer, model=model)
-    if program.stages is not None and max_new_tokens is None and not measure_only:
-        raise ConfigurationError(
-            "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
-        )
-    return NarrativeGravityLogitsProcessor(
-        program.field,
-        controller_from_profile(profile),
-        stages=None if measure_only else program.stages,
-        max_new_tokens=max_new_tokens,
-        prune_threshold=program.prune_threshold,
-        trace=trace,
-        measure_only=measure_only,
-        repeat_weight=program.repeat_weight,
-        requirement=None if measure_only else program.requirement,
-        inplace=inplace,
     )

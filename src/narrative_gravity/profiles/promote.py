@@ -32,9 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engines.options import GenerationOptions
 from ..errors import ConfigurationError
+from ..eval.metrics import get_metric
+from ..eval.runner import EvalSettings, run_eval
+from ..eval.stats import paired_bootstrap
+from ..eval.store import RESULTS, ResultStore
 
-__all__ = ["Check", "Limit", "Promotion", "check_limit", "evaluate_promotion"]
+__all__ = ["PROMOTE_OPTIONS", "Check", "Limit", "Promotion", "PromotionCheck", "check_limit", "evaluate_promotion"]
 
 LIVE_ARM, CANDIDATE_ARM = "live", "candidate"
 
@@ -50,8 +55,6 @@ class Limit:
     @classmethod
     def parse(cls, spec: str) -> Limit:
         """``METRIC:DELTA`` or ``METRIC:DELTA%``, e.g. ``distinct_2:0.05`` or ``rep_2:10%``."""
-        from ..eval.metrics import get_metric
-
         metric, sep, raw = spec.partition(":")
         metric, raw = metric.strip(), raw.strip()
         if not sep or not metric or not raw:
@@ -106,9 +109,6 @@ class Check:
 
 def check_limit(limit: Limit, *, live: Sequence[float], candidate: Sequence[float]) -> Check:
     """Read one limit against paired per-sample values (NaN pairs are dropped)."""
-    from ..eval.metrics import get_metric
-    from ..eval.stats import paired_bootstrap
-
     metric = get_metric(limit.metric)
     c = paired_bootstrap(live, candidate, higher_is_better=metric.higher_is_better, how=metric.aggregation)
     if c.n == 0:
@@ -164,39 +164,108 @@ class Promotion:
         }
 
 
+PROMOTE_OPTIONS = GenerationOptions(max_new_tokens=60, raw=None)
+"""How a promotion's eval samples unless told otherwise (``raw=None``: as ``ngrav eval`` decides)."""
+
+
+@dataclass(frozen=True)
+class PromotionCheck:
+    """The eval a promotion runs, and what follows it.
+
+    Args:
+        prompts: the eval's prompt set (``topics``, ``empath``, a ``.txt`` file or JSONL).
+        version: the candidate (default: the newest staged version).
+        out: keep the eval's run folder and reports here (a temporary folder without it).
+        seeds: the seeds every prompt runs with.
+        options: budget, sampling, batch size and engine of the eval.
+        model_name, judge, limit_prompts: as ``ngrav eval --model``, ``--judge`` (default: none unless a limit is
+            ``judge_ppl``) and ``--limit-prompts``.
+        promote: move the live pointer when every limit holds; ``message`` says why.
+    """
+
+    prompts: str
+    version: int | None = None
+    out: str | os.PathLike[str] | None = None
+    seeds: Sequence[int] = (0, 1, 2)
+    options: GenerationOptions = PROMOTE_OPTIONS
+    model_name: str | None = None
+    judge: str | None = None
+    limit_prompts: int | None = None
+    promote: bool = True
+    message: str | None = None
+
+    def settings(self, profiles: Sequence[str], metrics: Sequence[str]) -> EvalSettings:
+        """The :class:`~narrative_gravity.eval.runner.EvalSettings` of the eval over ``profiles``."""
+        o = self.options
+        judge = self.judge if self.judge is not None else "gemma3-270m" if "judge_ppl" in metrics else "none"
+        return EvalSettings(
+            prompts=self.prompts,
+            profiles=tuple(profiles),
+            seeds=tuple(self.seeds),
+            max_new_tokens=o.max_new_tokens,
+            top_k=o.top_k,
+            temperature=o.temperature,
+            raw=o.raw,
+            batch_size=o.batch_size,
+            model=self.model_name,
+            judge=judge,
+            metrics=tuple(metrics),
+            limit_prompts=self.limit_prompts,
+            engine=o.engine,
+        )
+
+
 def evaluate_promotion(
     store: Any,
     name: str,
     limits: Sequence[Limit],
+    check: PromotionCheck,
     *,
-    prompts: str,
-    version: int | None = None,
-    out: str | os.PathLike[str] | None = None,
-    seeds: Sequence[int] = (0, 1, 2),
-    max_new_tokens: int = 60,
-    top_k: int = 10,
-    temperature: float = 1.0,
-    raw: bool | None = None,
-    batch_size: int = 8,
-    model_name: str | None = None,
-    judge: str | None = None,
-    limit_prompts: int | None = None,
-    engine: str = "hf",
     model: Any = None,
     tokenizer: Any = None,
     console: Any = None,
-    promote: bool = True,
-    message: str | None = None,
 ) -> Promotion:
-    """Evaluate the candidate ``version`` (default: the newest staged) of ``name`` against the live version and
-    promote it when every limit holds (and ``promote``). The eval's run folder is ``out`` (a temporary one
-    without it). ``model``/``tokenizer`` skip loading ``model_name``."""
-    from ..eval.runner import EvalSettings, run_eval
-    from ..eval.store import RESULTS, ResultStore
-
+    """Evaluate the candidate ``check.version`` of ``name`` against the live version and promote it when every
+    limit holds (and ``check.promote``). ``model``/``tokenizer`` skip loading ``check.model_name``; ``console``
+    shows the eval's progress."""
     if not limits:
         raise ConfigurationError("give at least one --limit METRIC:DELTA, e.g. --limit distinct_2:0.05")
     live = store.live_version(name)
+    version = _candidate(store, name, check.version, live)
+    arms = {LIVE_ARM: store.get(name, live), CANDIDATE_ARM: store.get(name, version)}
+    metrics = tuple(dict.fromkeys(lim.metric for lim in limits))
+    out = check.out
+    tmp = None if out is not None else tempfile.TemporaryDirectory(prefix="ngrav-promote-")
+    run_dir = Path(out if out is not None else tmp.name)  # type: ignore[union-attr]
+    try:
+        files = run_dir / "profiles"
+        files.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for arm, profile in arms.items():
+            path = files / f"{arm}.json"
+            path.write_text(json.dumps(profile.model_copy(update={"name": arm}).model_dump(mode="json")) + "\n")
+            paths.append(str(path))
+        settings = check.settings(paths, metrics)
+        progress, report = console is not None, out is not None
+        run_eval(
+            settings, run_dir, model=model, tokenizer=tokenizer, progress=progress, write_report=report, console=console
+        )
+        result = Promotion(name, live, version, out=str(out) if out is not None else None)
+        result.checks = _read_checks(run_dir, limits)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if check.promote and not result.failed:
+        note = check.message or f"promoted after eval on {check.prompts}: " + "; ".join(
+            f"{c.metric} {c.difference:+.3g}" for c in result.checks
+        )
+        store.promote(name, version, message=note, expect_live=live)
+        result.promoted = True
+    return result
+
+
+def _candidate(store: Any, name: str, version: int | None, live: int) -> int:
+    """The version to promote: ``version``, or the newest staged one; never the live one."""
     if version is None:
         staged = store.staged(name)
         if not staged:
@@ -207,71 +276,22 @@ def evaluate_promotion(
         version = staged[-1]
     if version == live:
         raise ConfigurationError(f"version {version} of {name!r} is already live; name another with --version")
-    candidate = store.get(name, version)
-    current = store.get(name, live)
-    metrics = tuple(dict.fromkeys(lim.metric for lim in limits))
-    if judge is None:
-        judge = "gemma3-270m" if "judge_ppl" in metrics else "none"
-    tmp = None if out is not None else tempfile.TemporaryDirectory(prefix="ngrav-promote-")
-    run_dir = Path(out if out is not None else tmp.name)  # type: ignore[union-attr]
-    try:
-        files = run_dir / "profiles"
-        files.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for arm, profile in ((LIVE_ARM, current), (CANDIDATE_ARM, candidate)):
-            path = files / f"{arm}.json"
-            path.write_text(json.dumps(profile.model_copy(update={"name": arm}).model_dump(mode="json")) + "\n")
-            paths.append(str(path))
-        settings = EvalSettings(
-            prompts=prompts,
-            profiles=tuple(paths),
-            seeds=tuple(seeds),
-            max_new_tokens=max_new_tokens,
-            top_k=top_k,
-            temperature=temperature,
-            raw=raw,
-            batch_size=batch_size,
-            model=model_name,
-            judge=judge,
-            metrics=metrics,
-            limit_prompts=limit_prompts,
-            engine=engine,
-        )
-        run_eval(
-            settings,
-            run_dir,
-            model=model,
-            tokenizer=tokenizer,
-            progress=console is not None,
-            write_report=out is not None,
-            console=console,
-        )
-        rows = ResultStore(run_dir / RESULTS).load()
-        by_arm: dict[str, dict[tuple[int, int], dict[str, Any]]] = {LIVE_ARM: {}, CANDIDATE_ARM: {}}
-        for r in rows:
-            if r.get("profile") in by_arm:
-                by_arm[r["profile"]][(int(r["prompt_index"]), int(r["seed"]))] = r.get("metrics", {})
-        pairs = sorted(set(by_arm[LIVE_ARM]) & set(by_arm[CANDIDATE_ARM]))
+    return version
 
-        def values(arm: str, metric: str) -> list[float]:
-            out_ = []
-            for k in pairs:
-                v = by_arm[arm][k].get(metric)
-                out_.append(float(v) if isinstance(v, (int, float)) else float("nan"))
-            return out_
 
-        result = Promotion(name, live, version, out=str(out) if out is not None else None)
-        for lim in limits:
-            result.checks.append(
-                check_limit(lim, live=values(LIVE_ARM, lim.metric), candidate=values(CANDIDATE_ARM, lim.metric))
-            )
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    if promote and not result.failed:
-        note = message or f"promoted after eval on {prompts}: " + "; ".join(
-            f"{c.metric} {c.difference:+.3g}" for c in result.checks
-        )
-        store.promote(name, version, message=note, expect_live=live)
-        result.promoted = True
-    return result
+def _read_checks(run_dir: Path, limits: Sequence[Limit]) -> list[Check]:
+    """Each limit read against the eval's results: (prompt, seed) pairs that both arms finished."""
+    by_arm: dict[str, dict[tuple[int, int], dict[str, Any]]] = {LIVE_ARM: {}, CANDIDATE_ARM: {}}
+    for r in ResultStore(run_dir / RESULTS).load():
+        if r.get("profile") in by_arm:
+            by_arm[r["profile"]][(int(r["prompt_index"]), int(r["seed"]))] = r.get("metrics", {})
+    pairs = sorted(set(by_arm[LIVE_ARM]) & set(by_arm[CANDIDATE_ARM]))
+
+    def values(arm: str, metric: str) -> list[float]:
+        got = (by_arm[arm][k].get(metric) for k in pairs)
+        return [float(v) if isinstance(v, (int, float)) else float("nan") for v in got]
+
+    return [
+        check_limit(lim, live=values(LIVE_ARM, lim.metric), candidate=values(CANDIDATE_ARM, lim.metric))
+        for lim in limits
+    ]

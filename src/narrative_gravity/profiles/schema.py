@@ -42,8 +42,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import ProfileError
-from ..fields.lexical import expand_keywords
-from ..text import has_unspaced_script
+from ..text import expand_keywords, has_unspaced_script
 
 __all__ = [
     "THERMOSTAT_MAX_PER_STRENGTH",

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..engines.hf_generate import chat_ids
+from ..engines.prompts import chat_ids
 from ..errors import NarrativeGravityError
 from ..levels.pipeline import Passage, needs_pipeline, parse_documents, prepare, split_documents, stage_report
 from .backends.base import Backend, ResolvedGravity, Sampling

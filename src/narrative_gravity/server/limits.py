@@ -22,9 +22,10 @@ import logging
 
 from ..errors import NarrativeGravityError
 from ..profiles.schema import Profile
+from ..text import unencodable
 from .backends.base import Backend, ResolvedGravity
 from .config import ServerConfig
-from .protocol import APIError, unencodable
+from .protocol import APIError
 
 __all__ = ["check_gravity", "check_profile"]
 

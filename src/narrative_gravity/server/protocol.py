@@ -37,6 +37,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..text import unencodable
+
 __all__ = [
     "APIError",
     "ChatRequest",
@@ -47,7 +49,6 @@ __all__ = [
     "generation_params",
     "parse_json",
     "parse_request",
-    "unencodable",
 ]
 
 _TYPES = {
@@ -125,35 +126,6 @@ def parse_json(body: bytes) -> Any:
             code="invalid_text",
         )
     return data
-
-
-def unencodable(data: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (or key) in ``data`` that UTF-8 cannot encode, else ``None``.
-
-    >>> unencodable({"a": ["ok", "\\ud800"]})
-    'a.1'
-    >>> unencodable({"a": "fine"}) is None
-    True
-    """
-    stack: list[tuple[str, Any]] = [(path, data)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return where or "body"
-        elif isinstance(value, dict):
-            items = list(value.items())
-            for key, item in reversed(items):
-                child = f"{where}.{key}" if where else str(key)
-                if isinstance(key, str) and unencodable(key) is not None:
-                    return (where + "." if where else "") + repr(key)
-                stack.append((child, item))
-        elif isinstance(value, (list, tuple)):
-            for i in reversed(range(len(value))):
-                stack.append((f"{where}.{i}" if where else str(i), value[i]))
-    return None
 
 
 class _Request(BaseModel):

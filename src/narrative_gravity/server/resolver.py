@@ -73,7 +73,7 @@ _REFERENCE_KEYS = {"profile", "version", "measure_only"}
 
 def measuring_profile(profile: Profile) -> Profile:
     """``profile`` with no pull: λ is 0 at every step, nothing is pruned, and stages give way to the base field
-    (what ``measure_only`` measures against in :func:`~narrative_gravity.profiles.build.processor_from_profile`), and no
+    (what ``measure_only`` measures against in :func:`~narrative_gravity.engines.hf.processor_from_profile`), and no
     topic sentence: plain decoding reads the prompt as it came."""
     return profile.model_copy(
         update={

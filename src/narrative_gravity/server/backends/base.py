@@ -227,7 +227,7 @@ class TokenizerText:
             raise ConfigurationError(
                 f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
             )
-        from ...engines.hf_generate import chat_ids
+        from ...engines.prompts import chat_ids
 
         return chat_ids(self.tokenizer, messages)
 

@@ -39,10 +39,11 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ...engines.hf_generate import eos_token_ids, left_pad
+from ...engines.hf import processor_from_profile
+from ...engines.prompts import eos_token_ids, left_pad
 from ...errors import ConfigurationError
 from ...gravity.thermo import METRICS, Measurement, Trace
-from ...profiles.build import field_from_profile, processor_from_profile
+from ...profiles.build import field_from_profile
 from ...profiles.schema import Profile
 from ..grammar import GrammarLogitsProcessor, GuidanceGrammars
 from ..structured import ResponseFormat
