@@ -33,9 +33,9 @@ app = typer.Typer(
     help="Keep LLM generation on its narrative while it decodes.",
     rich_markup_mode="rich",
 )
-app.add_typer(profile_app, name="profile")
 for group in (generate, compare, inspect, evaluate, serve, levels):
     app.add_typer(group.app)
+app.add_typer(profile_app, name="profile")
 
 
 @app.callback()
