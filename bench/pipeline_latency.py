@@ -60,7 +60,7 @@ def start_server(engine: str, max_tokens: int) -> tuple[Any, str, str]:
 
     from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app, make_backend
-    from narrative_gravity.server.app import uvicorn_config
+    from narrative_gravity.server.connections import uvicorn_config
 
     config = ServerConfig(batch_window_ms=5, max_tokens_limit=max_tokens, max_prompt_tokens=4096)
     options = {"max_num_seqs": 4, "max_model_len": 4096} if engine == "vllm" else {}

@@ -156,7 +156,7 @@ def test_page_is_open_and_does_no_model_work(tiny_backend: HFBackend, tmp_path: 
     running = RunningServer(create_app(tiny_backend, config=config, store=ProfileStore(tmp_path)))
     try:
         with running.http() as http:
-            before = running.app.state.metrics.batches
+            before = running.app.state.server.metrics.batches
             page = http.get("/")
             assert page.status_code == 200 and "text/html" in page.headers["content-type"]
             for name in ("app.js", "app.css"):
@@ -170,7 +170,7 @@ def test_page_is_open_and_does_no_model_work(tiny_backend: HFBackend, tmp_path: 
             key = {"Authorization": "Bearer s3cret"}
             cfg = http.get("/v1/playground", headers=key).json()
             assert cfg["model"] == MODEL and cfg["engine"] == "hf" and cfg["token_stats"] and cfg["chat"]
-            assert running.app.state.metrics.batches == before  # opening the page ran nothing
+            assert running.app.state.server.metrics.batches == before  # opening the page ran nothing
     finally:
         running.close()
 
@@ -255,10 +255,10 @@ def test_page_shows_invalid_profiles_and_stops_runs(server: RunningServer) -> No
         driver.find_element(*by("#save")).click()
         wait_for(driver, lambda d: "not saved" in d.find_element(*by("#store-status")).text)
         assert http.get("/v1/profiles/broken/history").status_code == 404  # nothing stored
-        batches = server.app.state.metrics.batches
+        batches = server.app.state.server.metrics.batches
         driver.find_element(*by("#run-button")).click()
         wait_for(driver, lambda d: d.find_element(*by("#run-status")).get_attribute("data-state") == "invalid")
-        assert server.app.state.metrics.batches == batches  # nothing ran
+        assert server.app.state.server.metrics.batches == batches  # nothing ran
 
         # a valid profile, a long run, stopped half-way: the server drops both rows
         set_value(driver, "[data-path='thermostat.explore_target']", "0.3")

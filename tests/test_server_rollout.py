@@ -324,7 +324,7 @@ class _StepBackend:
 
 
 def test_background_rows_use_idle_time_and_are_preempted_by_requests() -> None:
-    from narrative_gravity.server.backends.base import Sampling
+    from narrative_gravity.engines.options import GenerationOptions
     from narrative_gravity.server.scheduler import BatchScheduler, Job
     from narrative_gravity.server.telemetry import Metrics
 
@@ -338,7 +338,7 @@ def test_background_rows_use_idle_time_and_are_preempted_by_requests() -> None:
 
     def job(tokens: int) -> Job:
         j = Job()
-        j.add(prompt_ids=[1], max_tokens=tokens, sampling=Sampling(), gravity=None)
+        j.add(prompt_ids=[1], options=GenerationOptions(max_new_tokens=tokens, top_k=0), gravity=None)
         return j
 
     async def main() -> None:

@@ -21,10 +21,11 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
+from narrative_gravity.engines.options import GenerationOptions  # noqa: E402
 from narrative_gravity.profiles.schema import Profile  # noqa: E402
 from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.backends.base import ResolvedGravity, Sampling  # noqa: E402
+from narrative_gravity.server.backends.base import ResolvedGravity  # noqa: E402
 from narrative_gravity.server.grammar import GrammarLogitsProcessor  # noqa: E402
 from narrative_gravity.server.protocol import APIError  # noqa: E402
 from narrative_gravity.server.scheduler import Job  # noqa: E402
@@ -321,7 +322,8 @@ def test_gravity_runs_after_the_grammar_in_one_batch(tiny_backend: HFBackend) ->
         job = Job()
         ids = tiny_backend.encode_chat(MESSAGES)
         for fmt, g in items:
-            job.add(prompt_ids=ids, max_tokens=40, sampling=Sampling(0.0), gravity=g, response_format=fmt)
+            greedy = GenerationOptions(max_new_tokens=40, temperature=0.0, top_k=0)
+            job.add(prompt_ids=ids, options=greedy, gravity=g, response_format=fmt)
         steps: list[list[int | None]] = []
         stats = tiny_backend.generate(job.rows, lambda tokens, *_: steps.append(list(tokens)))
         return [tiny_backend.decode([s[i] for s in steps][: stats[i].new_tokens]) for i in range(len(items))]

@@ -803,13 +803,11 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     submitted with it decodes to the end."""
     import threading
 
-    from narrative_gravity.server.backends.base import Sampling
-
     _, backend = served
-    greedy = Sampling(temperature=0.0)
-    too_long = SimpleNamespace(prompt_ids=[1] * 600, max_tokens=4, sampling=greedy, gravity=None, cancelled=False)
+    greedy = GenerationOptions(max_new_tokens=4, temperature=0.0, top_k=0)
+    too_long = SimpleNamespace(prompt_ids=[1] * 600, max_tokens=4, options=greedy, gravity=None, cancelled=False)
     good = SimpleNamespace(
-        prompt_ids=backend.encode_text("The planet"), max_tokens=4, sampling=greedy, gravity=None, cancelled=False
+        prompt_ids=backend.encode_text("The planet"), max_tokens=4, options=greedy, gravity=None, cancelled=False
     )
     events: list[tuple[Any, str, Any]] = []
     done = threading.Event()
@@ -842,15 +840,17 @@ def test_vllm_backend_a_burst_of_seeded_long_prompts_all_finish(served: Any) -> 
     the CPU the backend turns chunked prefill off, and paces the burst over steps (``prefill_tokens``)."""
     import threading
 
-    from narrative_gravity.server.backends.base import Sampling
-
     _, backend = served
     scheduler = backend.engine.vllm_config.scheduler_config
     assert scheduler.enable_chunked_prefill is False and scheduler.max_num_batched_tokens >= backend.max_context
     long_ids = (backend.encode_text("The planet orbits a distant star. ") * 40)[:200]
     rows = [
         SimpleNamespace(
-            prompt_ids=long_ids, max_tokens=4, sampling=Sampling(temperature=0.8, seed=i), gravity=None, cancelled=False
+            prompt_ids=long_ids,
+            max_tokens=4,
+            options=GenerationOptions(max_new_tokens=4, temperature=0.8, top_k=0, seed=i),
+            gravity=None,
+            cancelled=False,
         )
         for i in range(3)
     ]

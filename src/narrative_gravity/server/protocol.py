@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engines.options import GenerationOptions
 from ..text import unencodable
 
 __all__ = [
@@ -233,6 +234,12 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     include_trace: bool = False  # stream_options.include_trace: each chunk lists its tokens (ids and stats)
+
+    def options(self, *, seed: int) -> GenerationOptions:
+        """One row's budget and sampling (each row of a request has its own ``seed``)."""
+        return GenerationOptions(
+            max_new_tokens=self.max_tokens, top_k=self.top_k, temperature=self.temperature, top_p=self.top_p, seed=seed
+        )
 
 
 def generation_params(req: _Request, *, default_max_tokens: int, max_tokens_limit: int) -> GenerationParams:

@@ -56,15 +56,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .backends.base import (
-    Backend,
-    ContinuousBackend,
-    GenerationRow,
-    ResolvedGravity,
-    RowStats,
-    Sampling,
-    TokenStats,
-)
+from ..engines.options import GenerationOptions
+from .backends.base import Backend, ContinuousBackend, GenerationRow, ResolvedGravity, RowStats, TokenStats
 from .config import ServerConfig
 from .protocol import APIError
 from .telemetry import Metrics
@@ -114,8 +107,8 @@ class Row:
     job: Job
     index: int
     prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
+    options: GenerationOptions
+    """The row's budget (``max_new_tokens``) and sampling."""
     gravity: ResolvedGravity | None
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
@@ -127,6 +120,10 @@ class Row:
     response_format: Any = None  # a structured.ResponseFormat: the reply must be JSON matching its schema
     plain_prompt_ids: list[int] | None = None
     """The prompt without the profile's topic sentence (``lead``), where it has one: what a shadow reads."""
+
+    @property
+    def max_tokens(self) -> int:
+        return self.options.max_new_tokens
 
 
 class Job:

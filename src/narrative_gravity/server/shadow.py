@@ -204,7 +204,8 @@ class FollowUps:
             same = {"response_format": row.response_format} if getattr(row, "response_format", None) else {}
             trace = isinstance(self.scheduler, ContinuousScheduler)  # see wants_means
             ids = row.plain_prompt_ids if getattr(row, "plain_prompt_ids", None) is not None else row.prompt_ids
-            sjob.add(prompt_ids=ids, max_tokens=cap, sampling=row.sampling, gravity=shadow, trace=trace, **same)
+            options = row.options.replace(max_new_tokens=cap)
+            sjob.add(prompt_ids=ids, options=options, gravity=shadow, trace=trace, **same)
         if not self._room(len(caps)):  # checked again: the build above may have taken a while
             self.metrics.shadow_skip(name, "load")
             return False

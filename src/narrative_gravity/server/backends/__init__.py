@@ -1,4 +1,5 @@
-"""Pick the server's engine: :func:`make_backend` for ``ngrav serve --engine``."""
+"""The server's engines behind one interface (:mod:`.base`): the embedded transformers engine (:mod:`.hf`) and an
+in-process vLLM engine (:mod:`.vllm`); :func:`make_backend` picks one for ``ngrav serve --engine``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from typing import Any
 from ...errors import ConfigurationError
 from .base import ENGINES, Backend
 from .hf import HFBackend
-from .vllm import VLLMBackend
 
 __all__ = ["make_backend"]
 
@@ -23,5 +23,7 @@ def make_backend(engine: str, model: str | None = None, *, device: str = "cpu", 
             raise ConfigurationError(f"options {sorted(options)} apply to --engine vllm only")
         return HFBackend.load(model, device=device)
     if engine == "vllm":
+        from .vllm import VLLMBackend  # imports vLLM where it is installed: only for --engine vllm
+
         return VLLMBackend.load(model, device=device, **options)
     raise ConfigurationError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")

@@ -9,8 +9,7 @@ A backend whose engine admits rows into its running batch at any step is also a 
 the server then submits each request's rows to it as they arrive instead of collecting batches
 (:class:`~narrative_gravity.server.scheduler.ContinuousScheduler`).
 
->>> Sampling(temperature=0.0).greedy
-True
+A row's budget and sampling are a :class:`~narrative_gravity.engines.options.GenerationOptions` (``row.options``).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from ...errors import ConfigurationError, VocabularyError
 
 if TYPE_CHECKING:
+    from ...engines.options import GenerationOptions
     from ...profiles.schema import Profile
 
 __all__ = [
@@ -32,27 +32,12 @@ __all__ = [
     "GenerationRow",
     "ResolvedGravity",
     "RowStats",
-    "Sampling",
     "TokenStats",
     "TokenizerText",
 ]
 
 ENGINES = ("hf", "vllm")
 MEASURE_ONLY_SUFFIX = ":measure_only"
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one row picks its tokens. ``temperature`` below ``1e-5`` is greedy; ``top_k == 0`` is off."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5  # dividing logits by less would overflow
 
 
 @dataclass(frozen=True)
@@ -119,10 +104,14 @@ class GenerationRow(Protocol):
     """
 
     prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
+    options: GenerationOptions
     gravity: ResolvedGravity | None
     cancelled: bool
+
+    @property
+    def max_tokens(self) -> int:
+        """The row's budget, ``options.max_new_tokens``."""
+        ...
 
 
 TokenCallback = Callable[..., None]

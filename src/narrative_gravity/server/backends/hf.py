@@ -19,7 +19,8 @@ A batch may mix profiles, token budgets and sampling settings, and still runs as
   :class:`StreamedTrace` (one small host copy per step, only while such a row runs).
 
 >>> import torch
->>> sampler = RowSamplerLogitsProcessor([Sampling(temperature=0.0), Sampling(temperature=1.0, seed=1)])
+>>> from narrative_gravity.engines.options import GenerationOptions
+>>> sampler = RowSamplerLogitsProcessor([GenerationOptions(temperature=0.0), GenerationOptions(top_k=0, seed=1)])
 >>> out = sampler(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[0.0, 3.0, 1.0], [0.0, 0.0, 0.0]]))
 >>> out[0].tolist(), int(torch.isfinite(out[1]).sum())
 ([0.0, 3.0, 1.0], 1)
@@ -40,6 +41,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ...engines.hf import processor_from_profile
+from ...engines.options import GenerationOptions
 from ...engines.prompts import eos_token_ids, left_pad
 from ...errors import ConfigurationError
 from ...gravity.thermo import METRICS, Measurement, Trace
@@ -47,7 +49,7 @@ from ...profiles.build import field_from_profile
 from ...profiles.schema import Profile
 from ..grammar import GrammarLogitsProcessor, GuidanceGrammars
 from ..structured import ResponseFormat
-from .base import GenerationRow, RowStats, Sampling, TokenCallback, TokenizerText, TokenStats
+from .base import GenerationRow, RowStats, TokenCallback, TokenizerText, TokenStats
 
 __all__ = [
     "GroupedGravityLogitsProcessor",
@@ -94,7 +96,7 @@ class RowSamplerLogitsProcessor(LogitsProcessor):
     with ``do_sample=False``. Top-k, top-p and temperature are applied in that order, as transformers does.
     """
 
-    def __init__(self, samplings: Sequence[Sampling], device: torch.device | str = "cpu") -> None:
+    def __init__(self, samplings: Sequence[GenerationOptions], device: torch.device | str = "cpu") -> None:
         self.rows = [i for i, s in enumerate(samplings) if not s.greedy]
         picked = [samplings[i] for i in self.rows]
         self.temperature = torch.tensor([s.temperature for s in picked], dtype=torch.float32, device=device)
@@ -282,8 +284,8 @@ class HFBackend(TokenizerText):
             processors.append(GrammarLogitsProcessor(self.grammars(), formats, width))
         if pairs:
             processors.append(GroupedGravityLogitsProcessor(pairs))
-        if any(not r.sampling.greedy for r in rows):
-            processors.append(RowSamplerLogitsProcessor([r.sampling for r in rows], device=self.device))
+        if any(not r.options.greedy for r in rows):
+            processors.append(RowSamplerLogitsProcessor([r.options for r in rows], device=self.device))
         stops = RowStoppingCriteria(rows, width, device=self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -48,12 +48,24 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ...engines.vllm import TRACE_KEY, forget_trace, pop_trace
+from ...engines.vllm import TRACE_KEY, forget_trace, pop_trace, profile_from_extra_args
 from ...errors import ConfigurationError
 from ...models import DEFAULT_MODEL, hf_folder
 from ...profiles.schema import Profile
 from ..structured import ResponseFormat
 from .base import EventCallback, GenerationRow, RowStats, TokenCallback, TokenizerText
+
+try:  # the `vllm` extra (its own venv); without it the module imports, and VLLMBackend.load says what to install
+    from prometheus_client import REGISTRY  # vLLM's dependency; its collectors register there
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    VLLM_IMPORT_ERROR: ImportError | None = None
+except ImportError as _exc:  # pragma: no cover - exercised where vLLM is not installed
+    VLLM_IMPORT_ERROR = _exc
 
 __all__ = ["VLLMBackend"]
 
@@ -99,7 +111,6 @@ class _EngineMetrics:
     """A ``prometheus_client`` collector that yields vLLM's own ``vllm:*`` metrics from its global registry."""
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client import REGISTRY  # vLLM's dependency; its collectors register there
 
         for metric in REGISTRY.collect():
             if metric.name.startswith("vllm:"):
@@ -197,12 +208,11 @@ class VLLMBackend(TokenizerText):
         request here is seeded. So on the CPU chunked prefill is off and one step can take the longest
         prompt whole; the server paces bursts itself with ``prefill_tokens``.
         """
-        try:
-            from vllm import LLM
-        except ImportError as exc:
+        if VLLM_IMPORT_ERROR is not None:
             raise ConfigurationError(
-                f"engine 'vllm' needs vLLM, which is not importable here ({exc}); run `bash scripts/setup_vllm.sh` "
-                "and start the server with .venv-vllm/bin/ngrav serve --engine vllm, or use --engine hf"
+                f"engine 'vllm' needs vLLM, which is not importable here ({VLLM_IMPORT_ERROR}); run "
+                "`bash scripts/setup_vllm.sh` and start the server with .venv-vllm/bin/ngrav serve --engine vllm, "
+                "or use --engine hf"
             ) from None
         if device not in ("cpu", "auto", "cuda"):
             raise ConfigurationError(f"engine 'vllm' picks its own device; got --device {device!r}, use cpu or cuda")
@@ -240,15 +250,12 @@ class VLLMBackend(TokenizerText):
 
     def prepare(self, profile: Profile) -> None:
         """Parse the profile as the vLLM processor will, so a bad one fails its request before the engine."""
-        from ...engines.vllm import profile_from_extra_args
 
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
 
     def prepare_format(self, fmt: ResponseFormat) -> None:
         """Check ``fmt`` as vLLM will when the row is added (its backend compiles the schema), so that a schema
         vLLM refuses fails its request here instead of in the engine thread."""
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMValidationError
 
         params = SamplingParams(max_tokens=1, structured_outputs=_structured_outputs(fmt))
         ip = self.engine.input_processor
@@ -323,10 +330,8 @@ class VLLMBackend(TokenizerText):
     # ------------------------------------------------------------------------------------------- engine thread
 
     def _params(self, row: GenerationRow, rid: str | None = None) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
-        s = row.sampling
+        s = row.options
         extra = None
         if row.gravity is not None:
             extra = {"gravity": row.gravity.profile.model_dump(exclude_none=True)}
@@ -392,7 +397,6 @@ class VLLMBackend(TokenizerText):
         return arrived
 
     def _admit(self, arrived: list[tuple[GenerationRow, EventCallback]], events: dict[EventCallback, list]) -> None:
-        from vllm.inputs import TokensPrompt
 
         for row, on_events in arrived:
             rid = f"ngrav-{next(_IDS)}"
@@ -481,7 +485,6 @@ class VLLMBackend(TokenizerText):
 
 def _structured_outputs(fmt: ResponseFormat) -> Any:
     """vLLM's ``StructuredOutputsParams`` for a response format (``json_object`` is the schema ``{"type": "object"}``)."""
-    from vllm.sampling_params import StructuredOutputsParams
 
     # the schema carries GRAMMAR_OPTIONS (x-guidance), which vLLM's guidance backend reads as the other engine does
     return StructuredOutputsParams(json=copy.deepcopy(fmt.grammar_schema()), disable_any_whitespace=True)
@@ -489,6 +492,5 @@ def _structured_outputs(fmt: ResponseFormat) -> Any:
 
 def _on_cpu() -> bool:
     """Whether this vLLM build runs its engine on the CPU (vLLM picks its device itself)."""
-    from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())

@@ -22,22 +22,28 @@ The page and its files are open like ``/health``; every ``/v1`` route needs the 
 the page asks for it once.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the routes' annotations (``Request``, imported in
-# add_playground because FastAPI is an optional extra) at definition time.
+from __future__ import annotations
+
 import math
-from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...compare import row_metrics, summarize_metrics
 from ...errors import NarrativeGravityError
+from ...profiles.build import field_from_profile
 from ...profiles.schema import TOPIC_DEFAULTS, Profile, profile_problems
-from ..backends.base import Backend, ResolvedGravity
-from ..config import ServerConfig
+from ..guard import request_json
 from ..protocol import APIError, parse_request
+from ..schemas import body
+from ..state import ServerState, server_state
 
-__all__ = ["ASSETS", "TOPIC_WORDS", "add_playground", "topic_profile"]
+__all__ = ["ASSETS", "TOPIC_WORDS", "ScoreRequest", "ValidateRequest", "router", "topic_profile"]
+
+router = APIRouter(tags=["playground"])
 
 # The words of profiles/topic.yaml, the topic default the page starts from (tests check they agree).
 TOPIC_WORDS = ("planet", "orbit", "galaxy", "telescope", "astronaut", "rocket")
@@ -111,100 +117,87 @@ class ValidateRequest(BaseModel):
     prepare: bool = Field(False, strict=True)
 
 
-def add_playground(
-    app: Any,
-    *,
-    backend: Backend,
-    config: ServerConfig,
-    read_json: Callable[[Any], Awaitable[Any]],
-    resolve_gravity: Callable[[Any], Awaitable[ResolvedGravity | None]],
-    encode: Callable[..., list[int]],
-    run_side: Callable[..., Awaitable[Any]],
-) -> None:
-    """Add the page, its files and its routes to ``app`` (called by :func:`~narrative_gravity.server.create_app`).
+def _file(name: str) -> Response:
+    if name not in ASSETS:
+        raise APIError(404, f"no playground file {name!r}", code="not_found")
+    return Response(_asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
-    ``read_json``, ``resolve_gravity`` and ``encode`` are the app's own: the body limit, the inline-gravity rule
-    and the prompt checks apply here exactly as for a completion request. ``run_side`` runs blocking work off the
-    event loop (the scheduler's, see :meth:`~narrative_gravity.server.scheduler.BatchScheduler.run_side`).
-    """
-    from fastapi import Request
-    from fastapi.responses import Response
 
-    def asset(name: str) -> Response:
-        if name not in ASSETS:
-            raise APIError(404, f"no playground file {name!r}", code="not_found")
-        return Response(_asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+@router.get("/", include_in_schema=False)
+async def page() -> Response:
+    return _file("index.html")
 
-    @app.get("/", include_in_schema=False)
-    async def page() -> Response:
-        return asset("index.html")
 
-    @app.get("/playground/{name}", include_in_schema=False)
-    async def playground_file(name: str) -> Response:
-        return asset(name)
+@router.get("/playground/{name}", include_in_schema=False)
+async def playground_file(name: str) -> Response:
+    return _file(name)
 
-    @app.get("/v1/playground")
-    async def playground_config() -> dict[str, Any]:
-        tokenizer = getattr(backend, "tokenizer", None)
-        return {
-            "model": backend.model_id,
-            "engine": backend.name,
-            "token_stats": bool(getattr(backend, "token_stats", False)),
-            "chat": bool(getattr(tokenizer, "chat_template", None)),
-            "max_tokens_limit": config.max_tokens_limit,
-            "default_max_tokens": min(64, config.max_tokens_limit),
-            "inline_gravity": config.allow_inline_gravity,
-            "topic_default": topic_profile(),
-        }
 
-    @app.post("/v1/validate")
-    async def validate(request: Request) -> dict[str, Any]:
-        req = parse_request(ValidateRequest, await read_json(request))  # type: ignore[arg-type]
-        problems = profile_problems(req.profile)
-        if problems:
-            return {"valid": False, "errors": [{"param": k, "message": m} for k, m in problems]}
-        profile = Profile.from_mapping(req.profile)
-        if req.prepare:
-            try:
-                await run_side(backend.prepare, profile)
-            except NarrativeGravityError as exc:
-                return {"valid": False, "errors": [{"param": "", "message": str(exc)}]}
-        return {"valid": True, "profile": profile.model_dump(mode="json", exclude_none=True)}
+@router.get("/v1/playground")
+async def playground_config(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """What the page needs to start: the model, the engine, the server's limits and the topic default."""
+    backend, config = state.backend, state.config
+    tokenizer = getattr(backend, "tokenizer", None)
+    return {
+        "model": backend.model_id,
+        "engine": backend.name,
+        "token_stats": bool(getattr(backend, "token_stats", False)),
+        "chat": bool(getattr(tokenizer, "chat_template", None)),
+        "max_tokens_limit": config.max_tokens_limit,
+        "default_max_tokens": min(64, config.max_tokens_limit),
+        "inline_gravity": config.allow_inline_gravity,
+        "topic_default": topic_profile(),
+    }
 
-    @app.post("/v1/score")
-    async def score(request: Request) -> dict[str, Any]:
-        req = parse_request(ScoreRequest, await read_json(request))  # type: ignore[arg-type]
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send either `prompt` (text) or `messages` (a conversation)", param="prompt")
-        gravity = await resolve_gravity(req.gravity)
-        assert gravity is not None  # a mapping always resolves to a profile
-        if gravity.measure_only:
-            raise APIError(
-                400, "score against the steering profile: leave `measure_only` out", param="gravity.measure_only"
-            )
-        chat = req.messages is not None
-        prompt_ids = encode(req.messages if chat else req.prompt, chat=chat)
-        vocab = getattr(backend, "vocab_size", None)
-        for i, run in enumerate(req.runs):
-            for side in ("control", "gravity"):
-                ids = getattr(run, side).token_ids
-                if vocab is not None and any(not 0 <= t < vocab for t in ids):
-                    raise APIError(400, f"`runs.{i}.{side}.token_ids` has ids outside the vocabulary", param="runs")
 
-        def work() -> dict[str, Any]:
-            from ...compare import row_metrics, summarize_metrics
-            from ...profiles.build import field_from_profile
+@router.post("/v1/validate", openapi_extra=body(ValidateRequest))
+async def validate(data: Any = Depends(request_json), state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """A profile with every default filled in, or every problem with the key path of its setting."""
+    req = parse_request(ValidateRequest, data)  # type: ignore[arg-type]
+    problems = profile_problems(req.profile)
+    if problems:
+        return {"valid": False, "errors": [{"param": k, "message": m} for k, m in problems]}
+    profile = Profile.from_mapping(req.profile)
+    if req.prepare:
+        try:
+            await state.scheduler.run_side(state.backend.prepare, profile)
+        except NarrativeGravityError as exc:
+            return {"valid": False, "errors": [{"param": "", "message": str(exc)}]}
+    return {"valid": True, "profile": profile.model_dump(mode="json", exclude_none=True)}
 
-            profile = gravity.profile
-            field = field_from_profile(profile, backend.tokenizer, model=getattr(backend, "model", None))  # type: ignore[attr-defined]
 
-            def metrics(side: _Side) -> dict[str, float]:
-                means = {k: v for k, v in (("entropy", side.entropy), ("kl", side.kl)) if v is not None}
-                return row_metrics(
-                    profile, field, prompt_ids, side.token_ids, side.text, seconds=side.seconds, means=means
-                )
+@router.post("/v1/score", openapi_extra=body(ScoreRequest))
+async def score(data: Any = Depends(request_json), state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """The metrics of ``ngrav compare`` for completions already generated, and their paired summary."""
+    req = parse_request(ScoreRequest, data)  # type: ignore[arg-type]
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send either `prompt` (text) or `messages` (a conversation)", param="prompt")
+    # the live (or a pinned) version: no split, no shadow
+    gravity = await state.resolve_gravity(req.gravity, routed=False)
+    if gravity is None:  # pragma: no cover - a mapping always resolves to a profile
+        raise APIError(400, "send the profile to score against in `gravity`", param="gravity")
+    if gravity.measure_only:
+        raise APIError(
+            400, "score against the steering profile: leave `measure_only` out", param="gravity.measure_only"
+        )
+    chat = req.messages is not None
+    prompt_ids = state.encode(req.messages if chat else req.prompt, chat=chat)
+    vocab = getattr(state.backend, "vocab_size", None)
+    for i, run in enumerate(req.runs):
+        for side in ("control", "gravity"):
+            ids = getattr(run, side).token_ids
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"`runs.{i}.{side}.token_ids` has ids outside the vocabulary", param="runs")
+    backend, profile = state.backend, gravity.profile
 
-            runs = [{"control": metrics(r.control), "gravity": metrics(r.gravity)} for r in req.runs]
-            return {"runs": runs, "summary": summarize_metrics(runs)}
+    def work() -> dict[str, Any]:
+        field = field_from_profile(profile, backend.tokenizer, model=getattr(backend, "model", None))  # type: ignore[attr-defined]
 
-        return _finite(await run_side(work))
+        def metrics(side: _Side) -> dict[str, float]:
+            means = {k: v for k, v in (("entropy", side.entropy), ("kl", side.kl)) if v is not None}
+            return row_metrics(profile, field, prompt_ids, side.token_ids, side.text, seconds=side.seconds, means=means)
+
+        runs = [{"control": metrics(r.control), "gravity": metrics(r.gravity)} for r in req.runs]
+        return {"runs": runs, "summary": summarize_metrics(runs)}
+
+    return _finite(await state.scheduler.run_side(work))

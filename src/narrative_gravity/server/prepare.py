@@ -18,7 +18,8 @@ from typing import Any
 from ..engines.prompts import chat_ids
 from ..errors import NarrativeGravityError
 from ..levels.pipeline import Passage, needs_pipeline, parse_documents, prepare, split_documents, stage_report
-from .backends.base import Backend, ResolvedGravity, Sampling
+from ..levels.plan import DRAFT_OPTIONS
+from .backends.base import Backend, ResolvedGravity
 from .config import ServerConfig
 from .limits import check_gravity
 from .protocol import APIError
@@ -27,8 +28,6 @@ from .scheduler import Job
 __all__ = ["PipelineRun", "plan_request", "profile_key", "request_passages"]
 
 log = logging.getLogger("narrative_gravity.server")
-
-_DRAFT_SAMPLING = {"temperature": 0.8, "top_k": 40}  # outline drafts, as narrative_gravity.levels.answer.DRAFT_OPTIONS
 
 
 @dataclass
@@ -90,8 +89,7 @@ async def plan_request(
         for i, p in enumerate(prompts):
             job.add(
                 prompt_ids=chat_ids(backend.tokenizer, [{"role": "user", "content": p}]),  # type: ignore[attr-defined]
-                max_tokens=max_tokens,
-                sampling=Sampling(top_p=1.0, seed=(seed + 7919 * (i + 1)) % 2**63, **_DRAFT_SAMPLING),
+                options=DRAFT_OPTIONS.replace(max_new_tokens=max_tokens, seed=(seed + 7919 * (i + 1)) % 2**63),
                 gravity=None,
             )
         scheduler.submit(job.rows)
