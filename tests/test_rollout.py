@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from narrative_gravity.cli.main import app
 from narrative_gravity.errors import StoreError
+from narrative_gravity.eval.promote import Limit, check_limit
+from narrative_gravity.eval.rollout_report import build_report, render_report
 from narrative_gravity.profiles.armlog import ArmLog
-from narrative_gravity.profiles.promote import Limit, check_limit
-from narrative_gravity.profiles.report import build_report, render_report
 from narrative_gravity.profiles.rollout import (
     ARMS,
     LIVE,

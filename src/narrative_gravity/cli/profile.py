@@ -313,7 +313,7 @@ def promote(
             "give --prompts SET and at least one --limit METRIC:DELTA (e.g. --limit distinct_2:0.05), "
             "or --no-check to move the live pointer without an eval"
         )
-    from ..profiles.promote import Limit, PromotionCheck, evaluate_promotion  # the evaluation: not for --help
+    from ..eval.promote import Limit, PromotionCheck, evaluate_promotion  # the evaluation: not for --help
 
     limits = [_guard(lambda spec=spec: Limit.parse(spec)) for spec in limit or []]
     if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
@@ -469,7 +469,7 @@ def report(
 
         ngrav profile report space --server http://127.0.0.1:8000 --json
     """
-    from ..profiles.report import build_report, render_report  # the statistics import the evaluation
+    from ..eval.rollout_report import build_report, render_report  # the statistics import the evaluation
 
     if server is not None:
         data = _remote_report(server, name, api_key)

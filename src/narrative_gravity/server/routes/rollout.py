@@ -7,7 +7,7 @@
   is the promotion that runs an eval first and refuses a regression.
 - ``GET /v1/profiles/{name}/rollout``, ``PUT`` with ``{"rollout": {"shadow": 0.05, "split": {"version": 4,
   "share": 0.1}}, "message": "..."}`` (``{"rollout": {}}`` turns it off), ``GET .../rollout/history``.
-- ``GET /v1/profiles/{name}/report``: the arms compared (:func:`~narrative_gravity.profiles.report.build_report`).
+- ``GET /v1/profiles/{name}/report``: the arms compared (:func:`~narrative_gravity.eval.rollout_report.build_report`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from ...profiles.report import build_report
+from ...eval.rollout_report import build_report
 from ...profiles.rollout import RolloutError
 from ...profiles.schema import Profile
 from ...profiles.store import RolloutState
@@ -151,7 +151,7 @@ async def rollout_history(name: str, state: ServerState = Depends(server_state))
 
 @router.get("/v1/profiles/{name}/report")
 async def report(name: str, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    """The arms compared, with 95% intervals (:func:`~narrative_gravity.profiles.report.build_report`)."""
+    """The arms compared, with 95% intervals (:func:`~narrative_gravity.eval.rollout_report.build_report`)."""
     store = state.store
 
     def work() -> dict[str, Any]:

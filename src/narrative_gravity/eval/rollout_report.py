@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .rollout import ARMS, SHADOW, SPLIT_A, SPLIT_B
+from ..profiles.rollout import ARMS, SHADOW, SPLIT_A, SPLIT_B
 
 __all__ = ["REPORT_METRICS", "build_report", "render_report"]
 
@@ -81,7 +81,7 @@ def _group_name(arm: str, version: Any) -> str:
 
 def build_report(name: str, records: Sequence[dict[str, Any]], *, n_boot: int = 2000) -> dict[str, Any]:
     """The report of profile ``name`` from its arm records (JSON-ready: no NaN, ``None`` instead)."""
-    from ..eval.stats import bootstrap_ci, paired_bootstrap
+    from .stats import bootstrap_ci, paired_bootstrap
 
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:

@@ -34,10 +34,10 @@ from typing import Any
 
 from ..engines.options import GenerationOptions
 from ..errors import ConfigurationError
-from ..eval.metrics import get_metric
-from ..eval.runner import EvalSettings, run_eval
-from ..eval.stats import paired_bootstrap
-from ..eval.store import RESULTS, ResultStore
+from .metrics import get_metric
+from .runner import EvalSettings, run_eval
+from .stats import paired_bootstrap
+from .store import RESULTS, ResultStore
 
 __all__ = ["PROMOTE_OPTIONS", "Check", "Limit", "Promotion", "PromotionCheck", "check_limit", "evaluate_promotion"]
 
