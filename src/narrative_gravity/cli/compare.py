@@ -60,13 +60,13 @@ class _Report:
 
 def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOptions, out: _Report) -> None:
     """Run, print, and plot and save as ``out`` says."""
-    from ..compare import compare_runs, summarize  # torch and transformers: not for --help
+    from .. import compare, plots  # torch and transformers (matplotlib only once a plot is drawn): not for --help
 
     seeds = out.seeds
     console = Console()
     with Progress(transient=True, console=console) as bar:
         task = bar.add_task("control vs gravity", total=2 * seeds)
-        rows = compare_runs(model, tok, prof, prompt, options, seeds=seeds, progress=lambda: bar.advance(task))
+        rows = compare.compare_runs(model, tok, prof, prompt, options, seeds=seeds, progress=lambda: bar.advance(task))
     texts = Table(title=f"prompt: {prompt!r}", show_lines=True)
     texts.add_column("seed", justify="right")
     texts.add_column("control (no gravity)", ratio=1)
@@ -74,7 +74,7 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
     for r in rows[: out.show]:
         texts.add_row(str(r.seed), r.control.text, r.gravity.text)
     console.print(texts)
-    summary = summarize(rows)
+    summary = compare.summarize(rows)
     table = Table(title=f"{seeds} seeds, mean [95% bootstrap interval]")
     for col in ("metric", "control", "gravity", "gravity − control (paired)"):
         table.add_column(col)
@@ -82,10 +82,8 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
         table.add_row(s["label"], _fmt(s["control"]), _fmt(s["gravity"]), _fmt(s["difference"]))
     console.print(table)
     if out.plot is not None:
-        from ..plots import plot_traces  # matplotlib, the `plot` extra
-
         traces = {"control": [r.control.trace for r in rows], "gravity": [r.gravity.trace for r in rows]}
-        path = plot_traces(traces, out.plot, title=f"{prof.name}: {prompt[:60]}")
+        path = plots.plot_traces(traces, out.plot, title=f"{prof.name}: {prompt[:60]}")
         console.print(f"trace plot saved to {path}")
     if out.json_out is not None:
         _save(out.json_out, prompt, prof, summary, rows)

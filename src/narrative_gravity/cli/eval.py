@@ -93,13 +93,12 @@ def eval_command(
     stays on transformers; the `article` and `weighted:λ` baselines run on `--engine hf` only.
     """
     from ..eval import command, runner  # the evaluation imports torch: not for --help
-    from ..eval import prompts as prompt_sets
 
     if not profile and not report_only:
         fail("give --profile FILE (repeat for several) or --profile auto")
     if not report_only:
         guarded(lambda: runner.check_engine_arms(profile or [], engine))
-        if prompts not in prompt_sets.TOPIC_SETS:
+        if prompts not in runner.TOPIC_SETS:
             read_text(Path(prompts), "--prompts")
         check_output(out, "--out", folder=True)
         check_model(model)

@@ -106,11 +106,8 @@ def _hf_batches(model: str | None, prof: Any, options: GenerationOptions, no_gra
 def _vllm_batches(
     model: str | None, texts: list[str], prof: Any, options: GenerationOptions, no_gravity: bool
 ) -> Batches:
-    from ..lead import lead_sentence  # MiniLM and torch: not for --help
-
-    lead = None if no_gravity else guarded(lambda: lead_sentence(prof, raw=bool(options.raw)))
-    gen = load_vllm(model, texts, options, lead=lead)
     pull = None if no_gravity else prof
+    gen = load_vllm(model, texts, options, profile=pull)
     return lambda chunk, advance: gen.generate_texts(chunk, options, pull, progress=advance)
 
 

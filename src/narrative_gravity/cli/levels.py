@@ -246,15 +246,14 @@ def plan(
 
     Example: ngrav plan --prompt "Write a short article about coral reefs." --max-new-tokens 128
     """
-    from ..levels.context import hashing_encoder  # torch and MiniLM: not for --help
-    from ..levels.write import PlanSettings, plan_table, plan_then_write
+    from ..levels import context, write  # torch and MiniLM: not for --help
 
     check_encoder(encoder)
     if schedule not in ("thermostat", "constant"):
         fail(f"--schedule must be thermostat or constant, got {schedule!r}")
-    enc = hashing_encoder() if encoder == "hashing" else None
+    enc = context.hashing_encoder() if encoder == "hashing" else None
     settings = guarded(
-        lambda: PlanSettings(
+        lambda: write.PlanSettings(
             n_drafts=drafts, sections=sections, outline_tokens=outline_tokens, strength=strength, schedule=schedule,
             semantic=semantic, openings=openings, opening_tokens=opening_tokens,
         )
@@ -266,9 +265,9 @@ def plan(
     console = Console()
     with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
         res = guarded(
-            lambda: plan_then_write(m, tok, prompt, profile=prof, settings=settings, options=options, encoder=enc)
+            lambda: write.plan_then_write(m, tok, prompt, profile=prof, settings=settings, options=options, encoder=enc)
         )
-    console.print(plan_table(res))
+    console.print(write.plan_table(res))
     for i, st in enumerate(res.stages, 1):
         console.print(
             f"[bold]stage {i}[/] ({st.share:.0%}): {escape(st.name)} [dim]<- {escape(', '.join(st.core_semantics))}[/]",

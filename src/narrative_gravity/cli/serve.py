@@ -99,10 +99,9 @@ def serve(
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
 
     def run() -> None:
-        from ..server import ServerConfig  # FastAPI, torch: not for --help
-        from ..server import serve as run_server
+        from .. import server  # FastAPI and torch: not for --help
 
-        config = ServerConfig(
+        config = server.ServerConfig(
             host=host,
             port=port,
             api_key=api_key,
@@ -128,6 +127,6 @@ def serve(
             check_output(store, "--store", folder=True)
         if engine == "hf":
             check_model(model)
-        run_server(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
+        server.serve(config, model=model, engine=engine, device=device, store=store, log_level=log_level)
 
     guarded(run)

@@ -209,13 +209,13 @@ class VLLMGenerator:
         prompts: Sequence[str],
         options: GenerationOptions,
         *,
-        lead: str | None = None,
+        profile: Profile | None = None,
         tokenizer: Any,
     ) -> VLLMGenerator:
         """:meth:`load` for ``options.batch_size`` requests at once, sized for the longest of ``prompts`` (encoded
-        as ``options`` says, after the topic sentence ``lead``) plus ``options.max_new_tokens``."""
+        as ``options`` says, after ``profile``'s topic sentence) plus ``options.max_new_tokens``."""
         raw = not options.chat_template(tokenizer)
-        encoded = encode_prompts(tokenizer, prompts, raw=raw, lead=lead)
+        encoded = encode_prompts(tokenizer, prompts, raw=raw, lead=lead_sentence(profile, raw=raw))
         longest = max(len(ids) for ids in encoded) + options.max_new_tokens
         return cls.load(model, max_num_seqs=options.batch_size, longest=longest, tokenizer=tokenizer)
 

@@ -26,8 +26,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
 from ..profiles.rollout import ARMS, SHADOW, SPLIT_A, SPLIT_B
+from .stats import bootstrap_ci, paired_bootstrap
 
 __all__ = ["REPORT_METRICS", "build_report", "render_report"]
 
@@ -81,7 +85,6 @@ def _group_name(arm: str, version: Any) -> str:
 
 def build_report(name: str, records: Sequence[dict[str, Any]], *, n_boot: int = 2000) -> dict[str, Any]:
     """The report of profile ``name`` from its arm records (JSON-ready: no NaN, ``None`` instead)."""
-    from .stats import bootstrap_ci, paired_bootstrap
 
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -185,13 +188,9 @@ def _interval(d: dict[str, Any], m: str, key: str, *, signed: bool = False) -> s
 
 def render_report(report: dict[str, Any]) -> list[Any]:
     """Rich tables of a report: the arms (means, 95% intervals), then the comparisons."""
-    from rich.markup import escape
-    from rich.table import Table
 
     name = escape(str(report["profile"]))
     if not report["arms"]:
-        from rich.text import Text
-
         return [
             Text(f"{report['profile']}: nothing recorded yet (requests of stored profiles are recorded by the server)")
         ]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
+import wordfreq
 
 from ..errors import FieldError
 from . import semantic
@@ -113,7 +114,6 @@ def neighbour_words(
 
 def _candidate_words(vocabulary: int) -> list[str]:
     """Lowercase alphabetic words of at least three letters among wordfreq's ``vocabulary`` most frequent."""
-    import wordfreq
 
     return [w for w in wordfreq.top_n_list("en", vocabulary) if _WORD.fullmatch(w)]
 

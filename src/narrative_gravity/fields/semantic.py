@@ -42,9 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import Progress
+from transformers import AutoModel, AutoTokenizer
 
 from ..errors import FieldError, ModelNotFoundError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport
+from ..models import resolve_cache_dir
 from ..text import expand_keywords
 
 __all__ = [
@@ -264,7 +267,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def resolve_semantic_cache(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """``<cache dir>/semantic``; the cache dir defaults to :func:`narrative_gravity.models.resolve_cache_dir`."""
-    from ..models import resolve_cache_dir
 
     return resolve_cache_dir(cache_dir) / "semantic"
 
@@ -475,7 +477,6 @@ def _minilm_encoder() -> Encoder:
     ``Planet``, ``planet`` and `` planet`` are one sequence), and sequences of equal length are batched
     together: no padding, so the mean over all positions is sentence-transformers' masked mean pooling.
     """
-    from transformers import AutoModel, AutoTokenizer
 
     folder = minilm_folder()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -511,7 +512,6 @@ def encode_with_progress(encode: Any, texts: list[str], what: str, progress: boo
     """``encode(texts)`` (a MiniLM encoder), under a rich progress bar "MiniLM: embedding {what}" if ``progress``."""
     if not progress:
         return encode(texts)
-    from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task(f"MiniLM: embedding {what}", total=None)

@@ -39,6 +39,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import ProfileError
@@ -696,8 +697,6 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"profile file {str(p)!r} cannot be read as UTF-8 text: {exc}") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         elif p.suffix.lower() == ".json":
             data = json.loads(text)

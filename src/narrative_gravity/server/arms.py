@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from ..eval.text_metrics import token_field_values
+from ..profiles.build import field_from_profile
 from ..profiles.store import ProfileStore
 from .backends.base import Backend, ResolvedGravity, RowStats
 from .telemetry import Metrics
@@ -94,8 +96,6 @@ class ArmRecorder:
     def off_topic_rate(self, gravity: ResolvedGravity, rows: Sequence[tuple[list[int], list[int]]]) -> float | None:
         """Share of the rows' generated tokens (``(prompt ids, token ids)`` each) with a field value ≤ 0 under
         ``gravity``'s field; ``None`` when there are no tokens or the field cannot be built here."""
-        from ..eval.text_metrics import token_field_values
-        from ..profiles.build import field_from_profile
 
         eos = self.backend.eos_ids
         rows = [(p, [t for t in toks if t not in eos]) for p, toks in rows]

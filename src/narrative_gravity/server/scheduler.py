@@ -56,6 +56,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from ..engines.options import GenerationOptions
 from .backends.base import Backend, ContinuousBackend, GenerationRow, ResolvedGravity, RowStats, TokenStats
 from .config import ServerConfig
@@ -72,14 +74,12 @@ _SIDE_THREADS = 4  # side work that waits on generation (plan drafts) must not h
 def _generate_threads() -> int:
     """The intra-op threads ``generate`` gets: the process's setting when the first scheduler started (later
     threads would read what the side threads set, one)."""
-    import torch
 
     return torch.get_num_threads()
 
 
 def _set_intra_op_threads(n: int) -> None:
     """Executor initializer: this thread's intra-op threads (OpenMP and MKL settings are per thread)."""
-    import torch
 
     torch._C.set_num_threads(n)  # not ``torch.set_num_threads``: an in-process vLLM replaces it with a no-op
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ...engines.prompts import chat_ids
 from ...errors import ConfigurationError, VocabularyError
 
 if TYPE_CHECKING:
@@ -216,7 +217,6 @@ class TokenizerText:
             raise ConfigurationError(
                 f"model {self.model_id!r} has no chat template; use /v1/completions for plain continuation"
             )
-        from ...engines.prompts import chat_ids
 
         return chat_ids(self.tokenizer, messages)
 
