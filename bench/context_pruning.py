@@ -34,7 +34,7 @@ import numpy as np
 
 from common import machine, write_json
 from narrative_gravity.eval.text_metrics import mean_ci
-from narrative_gravity.levels.context import prune_context
+from narrative_gravity.levels.context import PruneSettings, prune_context
 from narrative_gravity.ragbench import build_cases, exact_match_rank, load_news_articles
 
 PROMPT = (
@@ -78,10 +78,9 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
                         budget,
                         tokenizer=tok,
                         encoder=enc,
-                        lexical_weight=1.0,
-                        cluster_margin=2.0,
-                        mmr_lambda=1.0,
-                        duplicate_threshold=1.0,
+                        settings=PruneSettings(
+                            lexical_weight=1.0, cluster_margin=2.0, mmr_lambda=1.0, duplicate_threshold=1.0
+                        ),
                     ).kept
                 },
                 "exact": _fill(exact_match_rank(c.question, texts), tokens, budget),

@@ -13,6 +13,7 @@ from narrative_gravity.cli.main import app
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.levels.context import (
     BM25,
+    PruneSettings,
     cluster_embeddings,
     content_words,
     count_tokens,
@@ -110,7 +111,9 @@ def test_off_narrative_cluster_is_dropped_with_its_reason():
     assert set(dropped) == set(COOKING)
     assert all("off-narrative cluster" in r for r in dropped.values())
     # with cluster pruning switched off, the cooking chunks survive (no budget, no min_score)
-    res = prune_context("What is the orbit of a planet?", PLANETS + COOKING, encoder=ENC, cluster_margin=2.0)
+    res = prune_context(
+        "What is the orbit of a planet?", PLANETS + COOKING, encoder=ENC, settings=PruneSettings(cluster_margin=2.0)
+    )
     assert len(res.kept) == 5
 
 
@@ -119,7 +122,14 @@ def test_budget_is_respected_and_counted_with_the_tokenizer(tiny_tokenizer):
     tokens = count_tokens(chunks, tiny_tokenizer)
     assert tokens == [len(tiny_tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks]
     budget = tokens[0] + tokens[1]
-    res = prune_context("orbit of a planet", chunks, budget, tokenizer=tiny_tokenizer, encoder=ENC, cluster_margin=2.0)
+    res = prune_context(
+        "orbit of a planet",
+        chunks,
+        budget,
+        tokenizer=tiny_tokenizer,
+        encoder=ENC,
+        settings=PruneSettings(cluster_margin=2.0),
+    )
     assert res.tokens_kept <= budget
     assert res.tokens_total == sum(tokens)
     assert res.tokens_saved == sum(tokens) - res.tokens_kept
@@ -138,8 +148,8 @@ def test_near_duplicates_are_dropped():
 def test_mmr_prefers_a_new_chunk_over_a_redundant_one():
     q = "planet orbit telescope"
     chunks = ["planet orbit telescope sun", "planet orbit telescope moon", "telescope mirror lens glass"]
-    only_rel = prune_context(q, chunks, 8, encoder=ENC, mmr_lambda=1.0, cluster_margin=2.0)
-    diverse = prune_context(q, chunks, 8, encoder=ENC, mmr_lambda=0.3, cluster_margin=2.0)
+    only_rel = prune_context(q, chunks, 8, encoder=ENC, settings=PruneSettings(mmr_lambda=1.0, cluster_margin=2.0))
+    diverse = prune_context(q, chunks, 8, encoder=ENC, settings=PruneSettings(mmr_lambda=0.3, cluster_margin=2.0))
     assert {d.index for d in only_rel.kept} == {0, 1}
     assert {d.index for d in diverse.kept} == {0, 2}
 
@@ -156,7 +166,9 @@ def test_profile_narrative_changes_the_scores():
 
 def test_min_score_and_original_order():
     chunks = [COOKING[0], PLANETS[0], PLANETS[1]]
-    res = prune_context("planet orbit sun", chunks, encoder=ENC, min_score=0.1, cluster_margin=2.0)
+    res = prune_context(
+        "planet orbit sun", chunks, encoder=ENC, settings=PruneSettings(min_score=0.1, cluster_margin=2.0)
+    )
     assert "below min_score" in res.decisions[0].reason
     assert res.context() == PLANETS[0] + "\n\n" + PLANETS[1]
 
@@ -179,14 +191,20 @@ def test_empty_chunks_give_an_empty_result():
         ({"budget_tokens": -1}, "budget_tokens"),
         ({"chunks": "one string"}, "not one string"),
         ({"chunks": [3]}, "chunk 0"),
-        ({"lexical_weight": 1.5}, "lexical_weight"),
-        ({"mmr_lambda": float("nan")}, "mmr_lambda"),
     ],
 )
 def test_bad_arguments_name_the_value(kwargs, message):
     args = {"question": "planet", "chunks": PLANETS, "encoder": ENC, **kwargs}
     with pytest.raises(ConfigurationError, match=message):
         prune_context(args.pop("question"), args.pop("chunks"), **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"lexical_weight": 1.5}, "lexical_weight"), ({"mmr_lambda": float("nan")}, "mmr_lambda")]
+)
+def test_bad_settings_name_the_value(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        PruneSettings(**kwargs)
 
 
 def test_result_table_lists_kept_then_dropped():

@@ -26,54 +26,65 @@ __all__ = ["app"]
 app = typer.Typer(rich_markup_mode="rich")
 
 
+_PromptsOpt = Annotated[
+    str,
+    typer.Option(
+        "--prompts",
+        help="`topics` (the PPLM/FUDGE set), `empath` (25 Empath subject topics, the test half), `topics-tune` / "
+        "`empath-tune` (tuning splits), a .txt file, or JSONL with `prompt`",
+    ),
+]
+_OutOpt = Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")]
+_ProfileOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--profile",
+        help="repeat for several arms: a profile file; `auto` (one profile per topic from its words, with "
+        "the settings of profiles/topic.yaml); "
+        "`auto:TEMPLATE.json` (the same, from a template, named after it); `article` (the blog-post "
+        "processor); `weighted:λ` (weighted decoding)",
+    ),
+]
+_SamplesOpt = Annotated[int | None, typer.Option("--samples", min=1, help="samples per prompt: seeds 0..N-1")]
+_SeedsOpt = Annotated[str | None, typer.Option("--seeds", help="explicit seeds, e.g. 0,1,2 or 0-4")]
+_RawOpt = Annotated[
+    bool | None,
+    typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topic sets)"),
+]
+_BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")]
+_JudgeOpt = Annotated[
+    str, typer.Option("--judge", help="perplexity judge: gemma3-270m (default), a model path, or none")
+]
+_MetricsOpt = Annotated[str | None, typer.Option("--metrics", help="comma-separated metric names (default: all)")]
+_LimitPromptsOpt = Annotated[
+    int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts, spread over the topics")
+]
+_AutoTemplateOpt = Annotated[
+    str | None, typer.Option("--auto-template", help="profile whose settings `auto` profiles start from")
+]
+_ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in --out; finished rows are kept")]
+_ReportOnlyOpt = Annotated[bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")]
+
+
 @app.command("eval")
 def eval_command(
-    prompts: Annotated[
-        str,
-        typer.Option(
-            "--prompts",
-            help="`topics` (the PPLM/FUDGE set), `empath` (25 Empath subject topics, the test half), `topics-tune` / "
-            "`empath-tune` (tuning splits), a .txt file, or JSONL with `prompt`",
-        ),
-    ],
-    out: Annotated[Path, typer.Option("--out", help="run folder: results.jsonl, summary.json, report.md/.html")],
-    profile: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--profile",
-            help="repeat for several arms: a profile file; `auto` (one profile per topic from its words, with "
-            "the settings of profiles/topic.yaml); "
-            "`auto:TEMPLATE.json` (the same, from a template, named after it); `article` (the blog-post "
-            "processor); `weighted:λ` (weighted decoding)",
-        ),
-    ] = None,
-    samples: Annotated[int | None, typer.Option("--samples", min=1, help="samples per prompt: seeds 0..N-1")] = None,
-    seeds: Annotated[str | None, typer.Option("--seeds", help="explicit seeds, e.g. 0,1,2 or 0-4")] = None,
+    prompts: _PromptsOpt,
+    out: _OutOpt,
+    profile: _ProfileOpt = None,
+    samples: _SamplesOpt = None,
+    seeds: _SeedsOpt = None,
     max_new_tokens: MaxNewOpt = 60,
     top_k: TopKOpt = 10,
     temperature: TempOpt = 1.0,
-    raw: Annotated[
-        bool | None,
-        typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topic sets)"),
-    ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")] = 8,
+    raw: _RawOpt = None,
+    batch_size: _BatchSizeOpt = 8,
     model: ModelOpt = None,
-    judge: Annotated[
-        str, typer.Option("--judge", help="perplexity judge: gemma3-270m (default), a model path, or none")
-    ] = "gemma3-270m",
-    metrics: Annotated[
-        str | None, typer.Option("--metrics", help="comma-separated metric names (default: all)")
-    ] = None,
-    limit_prompts: Annotated[
-        int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts, spread over the topics")
-    ] = None,
-    auto_template: Annotated[
-        str | None, typer.Option("--auto-template", help="profile whose settings `auto` profiles start from")
-    ] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="continue the run in --out; finished rows are kept")] = False,
-    report_only: Annotated[
-        bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")
-    ] = False,
+    judge: _JudgeOpt = "gemma3-270m",
+    metrics: _MetricsOpt = None,
+    limit_prompts: _LimitPromptsOpt = None,
+    auto_template: _AutoTemplateOpt = None,
+    resume: _ResumeOpt = False,
+    report_only: _ReportOnlyOpt = False,
     engine: EngineOpt = "hf",
 ) -> None:
     """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.

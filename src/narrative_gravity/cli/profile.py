@@ -245,43 +245,59 @@ def stage(
     typer.echo(f"{name}: staged version {version}; version {live} stays live")
 
 
+_VersionOpt = Annotated[int | None, typer.Option("--version", "-v", min=1, help="default: the newest staged")]
+_PromptsOpt = Annotated[
+    str | None, typer.Option("--prompts", help="eval prompt set: topics, empath, a .txt file or JSONL")
+]
+_LimitOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--limit",
+        help="METRIC:DELTA, repeatable: refuse when the candidate is worse than live by more than DELTA "
+        "(absolute, or DELTA% of the live value), e.g. distinct_2:0.05 or rep_2:10%",
+    ),
+]
+_SamplesOpt = Annotated[int, typer.Option("--samples", min=1, help="seeds 0..N-1 per prompt")]
+_MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
+_TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
+_TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy")]
+_RawOpt = Annotated[
+    bool | None, typer.Option("--raw/--chat", help="plain continuation or chat template (default: as ngrav eval)")
+]
+_BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch")]
+_LimitPromptsOpt = Annotated[int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts")]
+_ModelOpt = Annotated[str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a folder, .gguf")]
+_JudgeOpt = Annotated[
+    str | None, typer.Option("--judge", help="perplexity judge (default: none unless a limit is judge_ppl)")
+]
+_OutOpt = Annotated[Path | None, typer.Option("--out", help="keep the eval's run folder and reports here")]
+_NoCheckOpt = Annotated[
+    bool, typer.Option("--no-check", help="move the live pointer without an eval (an emergency switch)")
+]
+_WhyPromotedOpt = Annotated[str | None, typer.Option("--message", "-m", help="why it is promoted")]
+_JsonOutOpt = Annotated[bool, typer.Option("--json", help="print the checks as JSON")]
+
+
 @profile_app.command()
 def promote(
     ctx: typer.Context,
     name: NameArg,
-    version: Annotated[int | None, typer.Option("--version", "-v", min=1, help="default: the newest staged")] = None,
-    prompts: Annotated[
-        str | None, typer.Option("--prompts", help="eval prompt set: topics, empath, a .txt file or JSONL")
-    ] = None,
-    limit: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--limit",
-            help="METRIC:DELTA, repeatable: refuse when the candidate is worse than live by more than DELTA "
-            "(absolute, or DELTA% of the live value), e.g. distinct_2:0.05 or rep_2:10%",
-        ),
-    ] = None,
-    samples: Annotated[int, typer.Option("--samples", min=1, help="seeds 0..N-1 per prompt")] = 3,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")] = 60,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")] = 10,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy")] = 1.0,
-    raw: Annotated[
-        bool | None, typer.Option("--raw/--chat", help="plain continuation or chat template (default: as ngrav eval)")
-    ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch")] = 8,
-    limit_prompts: Annotated[int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts")] = None,
-    model: Annotated[
-        str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a folder, .gguf")
-    ] = None,
-    judge: Annotated[
-        str | None, typer.Option("--judge", help="perplexity judge (default: none unless a limit is judge_ppl)")
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="keep the eval's run folder and reports here")] = None,
-    no_check: Annotated[
-        bool, typer.Option("--no-check", help="move the live pointer without an eval (an emergency switch)")
-    ] = False,
-    message: Annotated[str | None, typer.Option("--message", "-m", help="why it is promoted")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
+    version: _VersionOpt = None,
+    prompts: _PromptsOpt = None,
+    limit: _LimitOpt = None,
+    samples: _SamplesOpt = 3,
+    max_new_tokens: _MaxNewTokensOpt = 60,
+    top_k: _TopKOpt = 10,
+    temperature: _TemperatureOpt = 1.0,
+    raw: _RawOpt = None,
+    batch_size: _BatchSizeOpt = 8,
+    limit_prompts: _LimitPromptsOpt = None,
+    model: _ModelOpt = None,
+    judge: _JudgeOpt = None,
+    out: _OutOpt = None,
+    no_check: _NoCheckOpt = False,
+    message: _WhyPromotedOpt = None,
+    json_out: _JsonOutOpt = False,
 ) -> None:
     """Make a staged version live once an eval on a prompt set shows no regression beyond the limits.
 
@@ -364,23 +380,30 @@ def _checks_table(result: Any) -> Any:
     return table
 
 
+_ShadowOpt = Annotated[
+    float | None, typer.Option("--shadow", help="share of requests also run without gravity, e.g. 0.05")
+]
+_SplitVersionOpt = Annotated[
+    int | None, typer.Option("--split-version", min=1, help="the version arm split:b serves (a staged one)")
+]
+_SplitShareOpt = Annotated[float | None, typer.Option("--split-share", help="share of requests on split:b, e.g. 0.1")]
+_NoSplitOpt = Annotated[bool, typer.Option("--no-split", help="end the split (keep the shadow)")]
+_ClearOpt = Annotated[bool, typer.Option("--clear", help="turn the rollout off: no shadow, no split")]
+_HistoryOpt = Annotated[bool, typer.Option("--history", help="show every revision")]
+_WhyChangedOpt = Annotated[str | None, typer.Option("--message", "-m", help="why it changed")]
+
+
 @profile_app.command()
 def rollout(
     ctx: typer.Context,
     name: NameArg,
-    shadow: Annotated[
-        float | None, typer.Option("--shadow", help="share of requests also run without gravity, e.g. 0.05")
-    ] = None,
-    split_version: Annotated[
-        int | None, typer.Option("--split-version", min=1, help="the version arm split:b serves (a staged one)")
-    ] = None,
-    split_share: Annotated[
-        float | None, typer.Option("--split-share", help="share of requests on split:b, e.g. 0.1")
-    ] = None,
-    no_split: Annotated[bool, typer.Option("--no-split", help="end the split (keep the shadow)")] = False,
-    clear: Annotated[bool, typer.Option("--clear", help="turn the rollout off: no shadow, no split")] = False,
-    history: Annotated[bool, typer.Option("--history", help="show every revision")] = False,
-    message: Annotated[str | None, typer.Option("--message", "-m", help="why it changed")] = None,
+    shadow: _ShadowOpt = None,
+    split_version: _SplitVersionOpt = None,
+    split_share: _SplitShareOpt = None,
+    no_split: _NoSplitOpt = False,
+    clear: _ClearOpt = False,
+    history: _HistoryOpt = False,
+    message: _WhyChangedOpt = None,
 ) -> None:
     """Show or change how NAME's traffic is shadowed and split; the server applies it to the next request.
 

@@ -15,69 +15,84 @@ __all__ = ["app"]
 app = typer.Typer(rich_markup_mode="rich")
 
 
+_HostOpt = Annotated[str, typer.Option("--host", help="interface to bind; keep 127.0.0.1 unless you set a key")]
+_PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port")]
+_ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="NGRAV_API_KEY", help="require `Authorization: Bearer KEY` (prefer the env var)"),
+]
+_StoreOpt = Annotated[
+    Path | None, typer.Option("--store", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder")
+]
+_EngineOpt = Annotated[
+    str, typer.Option("--engine", help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)")
+]
+_MaxBatchSizeOpt = Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")]
+_BatchWindowMsOpt = Annotated[float, typer.Option("--batch-window-ms", min=0.0, help="how long a batch waits to fill")]
+_MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="rows that may wait; more get 429")]
+_MaxTokensLimitOpt = Annotated[int, typer.Option("--max-tokens-limit", min=1, help="largest max_tokens")]
+_MaxPromptTokensOpt = Annotated[int, typer.Option("--max-prompt-tokens", min=1, help="longest prompt (tokens)")]
+_MaxBodyBytesOpt = Annotated[int, typer.Option("--max-body-bytes", min=1, help="largest request body")]
+_InlineGravityOpt = Annotated[
+    bool, typer.Option("--inline-gravity/--no-inline-gravity", help="accept inline profiles, or stored ones only")
+]
+_InsecureNoAuthOpt = Annotated[
+    bool, typer.Option("--insecure-no-auth", help="allow a non-loopback --host without an API key")
+]
+_MaxStagesOpt = Annotated[int, typer.Option("--max-stages", min=1, help="most `stages` of one profile")]
+_MaxWordsPerListOpt = Annotated[
+    int, typer.Option("--max-words-per-list", min=1, help="most words in one word list of a profile")
+]
+_MaxWordsOpt = Annotated[int, typer.Option("--max-words", min=1, help="most words of one profile, in all")]
+_MaxSemanticTopKOpt = Annotated[
+    int, typer.Option("--max-semantic-top-k", min=1, help="largest field.semantic_top_k / thermostat.candidates")
+]
+_MaxNeighboursOpt = Annotated[
+    int, typer.Option("--max-neighbours", min=1, help="largest field.neighbours of a profile")
+]
+_MaxSemanticCacheEntriesOpt = Annotated[
+    int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
+]
+_PrefillTokensOpt = Annotated[
+    int,
+    typer.Option("--prefill-tokens", min=0, help="vLLM: new prompt tokens joining the batch per step (0: no limit)"),
+]
+_ReadTimeoutOpt = Annotated[
+    float, typer.Option("--read-timeout", min=0.001, help="seconds for request headers, or between body pieces")
+]
+_WriteTimeoutOpt = Annotated[
+    float, typer.Option("--write-timeout", min=0.001, help="seconds a client may leave a response unread")
+]
+_LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")]
+
+
 @app.command()
 def serve(
     model: ModelOpt = None,
-    host: Annotated[str, typer.Option("--host", help="interface to bind; keep 127.0.0.1 unless you set a key")] = (
-        "127.0.0.1"
-    ),
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port")] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key", envvar="NGRAV_API_KEY", help="require `Authorization: Bearer KEY` (prefer the env var)"
-        ),
-    ] = None,
-    store: Annotated[
-        Path | None, typer.Option("--store", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder")
-    ] = None,
-    engine: Annotated[
-        str, typer.Option("--engine", help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)")
-    ] = "hf",
+    host: _HostOpt = "127.0.0.1",
+    port: _PortOpt = 8000,
+    api_key: _ApiKeyOpt = None,
+    store: _StoreOpt = None,
+    engine: _EngineOpt = "hf",
     device: DeviceOpt = "cpu",
-    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")] = 8,
-    batch_window_ms: Annotated[
-        float, typer.Option("--batch-window-ms", min=0.0, help="how long a batch waits to fill")
-    ] = 20.0,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="rows that may wait; more get 429")] = 64,
-    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="largest max_tokens")] = 1024,
-    max_prompt_tokens: Annotated[
-        int, typer.Option("--max-prompt-tokens", min=1, help="longest prompt (tokens)")
-    ] = 4096,
-    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="largest request body")] = 1_000_000,
-    inline_gravity: Annotated[
-        bool, typer.Option("--inline-gravity/--no-inline-gravity", help="accept inline profiles, or stored ones only")
-    ] = True,
-    insecure_no_auth: Annotated[
-        bool, typer.Option("--insecure-no-auth", help="allow a non-loopback --host without an API key")
-    ] = False,
-    max_stages: Annotated[int, typer.Option("--max-stages", min=1, help="most `stages` of one profile")] = 16,
-    max_words_per_list: Annotated[
-        int, typer.Option("--max-words-per-list", min=1, help="most words in one word list of a profile")
-    ] = 256,
-    max_words: Annotated[int, typer.Option("--max-words", min=1, help="most words of one profile, in all")] = 1024,
-    max_semantic_top_k: Annotated[
-        int, typer.Option("--max-semantic-top-k", min=1, help="largest field.semantic_top_k / thermostat.candidates")
-    ] = 5000,
-    max_neighbours: Annotated[
-        int, typer.Option("--max-neighbours", min=1, help="largest field.neighbours of a profile")
-    ] = 500,
-    max_semantic_cache_entries: Annotated[
-        int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
-    ] = 256,
-    prefill_tokens: Annotated[
-        int,
-        typer.Option(
-            "--prefill-tokens", min=0, help="vLLM: new prompt tokens joining the batch per step (0: no limit)"
-        ),
-    ] = 512,
-    read_timeout: Annotated[
-        float, typer.Option("--read-timeout", min=0.001, help="seconds for request headers, or between body pieces")
-    ] = 30.0,
-    write_timeout: Annotated[
-        float, typer.Option("--write-timeout", min=0.001, help="seconds a client may leave a response unread")
-    ] = 60.0,
-    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
+    max_batch_size: _MaxBatchSizeOpt = 8,
+    batch_window_ms: _BatchWindowMsOpt = 20.0,
+    max_queue: _MaxQueueOpt = 64,
+    max_tokens_limit: _MaxTokensLimitOpt = 1024,
+    max_prompt_tokens: _MaxPromptTokensOpt = 4096,
+    max_body_bytes: _MaxBodyBytesOpt = 1_000_000,
+    inline_gravity: _InlineGravityOpt = True,
+    insecure_no_auth: _InsecureNoAuthOpt = False,
+    max_stages: _MaxStagesOpt = 16,
+    max_words_per_list: _MaxWordsPerListOpt = 256,
+    max_words: _MaxWordsOpt = 1024,
+    max_semantic_top_k: _MaxSemanticTopKOpt = 5000,
+    max_neighbours: _MaxNeighboursOpt = 500,
+    max_semantic_cache_entries: _MaxSemanticCacheEntriesOpt = 256,
+    prefill_tokens: _PrefillTokensOpt = 512,
+    read_timeout: _ReadTimeoutOpt = 30.0,
+    write_timeout: _WriteTimeoutOpt = 60.0,
+    log_level: _LogLevelOpt = "info",
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, streaming) with a `gravity` field per request.
 

@@ -85,82 +85,19 @@ def _group_name(arm: str, version: Any) -> str:
 
 def build_report(name: str, records: Sequence[dict[str, Any]], *, n_boot: int = 2000) -> dict[str, Any]:
     """The report of profile ``name`` from its arm records (JSON-ready: no NaN, ``None`` instead)."""
-
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         arm, version = r.get("arm"), r.get("version")
         if isinstance(arm, str) and isinstance(version, int):
             groups[(arm, version)].append(r)
-    order = {a: i for i, a in enumerate(ARMS)}
-    keys = sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
-    arms = []
-    for arm, version in keys:
-        rs = groups[(arm, version)]
-        metrics = {}
-        for m in REPORT_METRICS:
-            vals = _values(rs, m)
-            mean, lo, hi = bootstrap_ci(vals, n_boot=n_boot)
-            metrics[m] = {
-                "mean": _clean(mean),
-                "low": _clean(lo),
-                "high": _clean(hi),
-                "n": int(np.isfinite(vals).sum()),
-            }
-        arms.append({"arm": arm, "version": version, "n": len(rs), "metrics": metrics})
-
-    comparisons: list[dict[str, Any]] = []
-    for b_arm, vb in [k for k in keys if k[0] == SPLIT_B]:
-        for a_arm, va in [k for k in keys if k[0] == SPLIT_A]:
-            a, b = groups[(a_arm, va)], groups[(b_arm, vb)]
-            metrics = {}
-            for m in REPORT_METRICS:
-                d, lo, hi = _two_sample(_values(a, m), _values(b, m), n_boot=n_boot)
-                metrics[m] = {"difference": _clean(d), "low": _clean(lo), "high": _clean(hi)}
-            comparisons.append(
-                {
-                    "name": f"{_group_name(b_arm, vb)} − {_group_name(a_arm, va)}",
-                    "kind": "unpaired",
-                    "a": _group_name(a_arm, va),
-                    "b": _group_name(b_arm, vb),
-                    "n_a": len(a),
-                    "n_b": len(b),
-                    "metrics": metrics,
-                }
-            )
-
-    by_request = {r["request"]: r for r in records if isinstance(r.get("request"), str) and r.get("arm") != SHADOW}
-    pairs: dict[tuple[str, int], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
-    for r in records:
-        main = by_request.get(r.get("of")) if r.get("arm") == SHADOW else None
-        if main is not None and isinstance(main.get("version"), int):
-            pairs[(main["arm"], main["version"])].append((main, r))
-    for (arm, version), pr in sorted(pairs.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])):
-        metrics = {}
-        for m in REPORT_METRICS:
-            if m in ("latency_s", "completion_tokens"):
-                continue  # a shadow is capped at its request's length and runs in idle time: not comparable
-            c = paired_bootstrap(
-                _values([s for _, s in pr], m),
-                _values([t for t, _ in pr], m),
-                higher_is_better=REPORT_METRICS[m][1],
-                n_boot=n_boot,
-            )
-            metrics[m] = {
-                "difference": _clean(c.difference),
-                "low": _clean(c.low),
-                "high": _clean(c.high),
-                "verdict": c.verdict,
-            }
-        comparisons.append(
-            {
-                "name": f"{_group_name(arm, version)} − {_group_name(SHADOW, version)}",
-                "kind": "paired",
-                "a": _group_name(SHADOW, version),
-                "b": _group_name(arm, version),
-                "pairs": len(pr),
-                "metrics": metrics,
-            }
-        )
+    keys = sorted(groups, key=lambda k: (_ORDER.get(k[0], len(_ORDER)), k[0], k[1]))
+    arms = [_arm(arm, version, groups[(arm, version)], n_boot) for arm, version in keys]
+    comparisons = [
+        _split(groups, a, b, n_boot)
+        for b in [k for k in keys if k[0] == SPLIT_B]
+        for a in [k for k in keys if k[0] == SPLIT_A]
+    ]
+    comparisons += _shadow_pairs(records, n_boot)
     times = sorted(r["t"] for r in records if isinstance(r.get("t"), str))
     return {
         "profile": name,
@@ -170,6 +107,74 @@ def build_report(name: str, records: Sequence[dict[str, Any]], *, n_boot: int = 
         "arms": arms,
         "comparisons": comparisons,
     }
+
+
+_ORDER = {a: i for i, a in enumerate(ARMS)}
+
+
+def _arm(arm: str, version: int, rs: list[dict[str, Any]], n_boot: int) -> dict[str, Any]:
+    """One arm's means with 95% bootstrap intervals."""
+    metrics = {}
+    for m in REPORT_METRICS:
+        vals = _values(rs, m)
+        mean, lo, hi = bootstrap_ci(vals, n_boot=n_boot)
+        metrics[m] = {"mean": _clean(mean), "low": _clean(lo), "high": _clean(hi), "n": int(np.isfinite(vals).sum())}
+    return {"arm": arm, "version": version, "n": len(rs), "metrics": metrics}
+
+
+def _split(
+    groups: dict[tuple[str, int], list[dict[str, Any]]], ka: tuple[str, int], kb: tuple[str, int], n_boot: int
+) -> dict[str, Any]:
+    """split:b against split:a, unpaired."""
+    a, b = groups[ka], groups[kb]
+    metrics = {}
+    for m in REPORT_METRICS:
+        d, lo, hi = _two_sample(_values(a, m), _values(b, m), n_boot=n_boot)
+        metrics[m] = {"difference": _clean(d), "low": _clean(lo), "high": _clean(hi)}
+    return {
+        "name": f"{_group_name(*kb)} − {_group_name(*ka)}",
+        "kind": "unpaired",
+        "a": _group_name(*ka),
+        "b": _group_name(*kb),
+        "n_a": len(a),
+        "n_b": len(b),
+        "metrics": metrics,
+    }
+
+
+def _shadow_pairs(records: Sequence[dict[str, Any]], n_boot: int) -> list[dict[str, Any]]:
+    """Each arm against its shadows, paired by request (the same prompt and seed without the pull)."""
+    by_request = {r["request"]: r for r in records if isinstance(r.get("request"), str) and r.get("arm") != SHADOW}
+    pairs: dict[tuple[str, int], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for r in records:
+        main = by_request.get(r.get("of")) if r.get("arm") == SHADOW else None
+        if main is not None and isinstance(main.get("version"), int):
+            pairs[(main["arm"], main["version"])].append((main, r))
+    out = []
+    for (arm, version), pr in sorted(pairs.items(), key=lambda kv: (_ORDER.get(kv[0][0], 99), kv[0])):
+        metrics = {}
+        for m in REPORT_METRICS:
+            if m in ("latency_s", "completion_tokens"):
+                continue  # a shadow is capped at its request's length and runs in idle time: not comparable
+            shadow, treated = _values([s for _, s in pr], m), _values([t for t, _ in pr], m)
+            c = paired_bootstrap(shadow, treated, higher_is_better=REPORT_METRICS[m][1], n_boot=n_boot)
+            metrics[m] = {
+                "difference": _clean(c.difference),
+                "low": _clean(c.low),
+                "high": _clean(c.high),
+                "verdict": c.verdict,
+            }
+        out.append(
+            {
+                "name": f"{_group_name(arm, version)} − {_group_name(SHADOW, version)}",
+                "kind": "paired",
+                "a": _group_name(SHADOW, version),
+                "b": _group_name(arm, version),
+                "pairs": len(pr),
+                "metrics": metrics,
+            }
+        )
+    return out
 
 
 def _fmt(v: float | None, m: str, *, signed: bool = False) -> str:

@@ -37,7 +37,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from ..text import expand_keywords
 __all__ = [
     "MINILM_INSTALL",
     "SEMANTIC_SOURCES",
+    "SemanticSettings",
     "build_semantic_field",
     "combine_fields",
     "minilm_folder",
@@ -76,18 +77,67 @@ Encoder = Callable[[Sequence[str]], torch.Tensor]
 # public API
 
 
+def _check_number(label: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not lo <= value <= hi:
+        raise FieldError(f"{label} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class SemanticSettings:
+    """Which tokens a semantic field keeps, and how strongly (see the module doc for the rule).
+
+    Args:
+        top_k: keep at most this many tokens (the highest z-scores).
+        z_threshold: keep only tokens at least this many standard deviations above the vocabulary mean.
+        min_value: the field value of the weakest kept token, in ``(0, 1]``.
+        glued_weight: multiplier for kept tokens written without a leading space.
+        center: subtract the vocabulary mean embedding before the cosine.
+        vocab_size: width of the field; ``None``: ``len(tokenizer)``.
+
+    >>> SemanticSettings(top_k=0)
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.FieldError: top_k must be an integer >= 1, got 0
+    """
+
+    top_k: int = 300
+    z_threshold: float = 3.0
+    min_value: float = 0.2
+    glued_weight: float = 0.5
+    center: bool = True
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise FieldError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        _check_number("z_threshold", self.z_threshold, 0.0, math.inf)
+        _check_number("glued_weight", self.glued_weight, 0.0, 1.0)
+        _check_number("min_value", self.min_value, 0.0, 1.0)
+        if self.min_value <= 0:
+            raise FieldError(f"min_value must be in (0, 1], got {self.min_value!r}; kept tokens need a positive value")
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise FieldError(f"vocab_size must be a positive integer, got {v!r}")
+
+    @classmethod
+    def of(cls, options: Any) -> SemanticSettings:
+        """The settings of a profile's ``field`` block (:class:`~narrative_gravity.profiles.schema.FieldOptions`)."""
+        return cls(
+            top_k=options.semantic_top_k,
+            z_threshold=options.semantic_z_threshold,
+            min_value=options.semantic_min_value,
+            glued_weight=options.glued_weight,
+        )
+
+
 def build_semantic_field(
     tokenizer: Any,
     topic: Sequence[str] | str,
     *,
     source: str = "minilm",
     model: Any = None,
-    top_k: int = 300,
-    z_threshold: float = 3.0,
-    min_value: float = 0.2,
-    glued_weight: float = 0.5,
-    center: bool = True,
-    vocab_size: int | None = None,
+    settings: SemanticSettings = SemanticSettings(),
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     name: str = "semantic",
@@ -100,12 +150,7 @@ def build_semantic_field(
             describing the topic.
         source: ``"minilm"`` or ``"lm"``.
         model: the generator (required for ``lm``: its input embeddings are read).
-        top_k: keep at most this many tokens (the highest z-scores).
-        z_threshold: keep only tokens at least this many standard deviations above the vocabulary mean.
-        min_value: the field value of the weakest kept token, in ``(0, 1]``.
-        glued_weight: multiplier for kept tokens written without a leading space.
-        center: subtract the vocabulary mean embedding before the cosine.
-        vocab_size: width of the field; defaults to ``len(tokenizer)``.
+        settings: which tokens the field keeps (:class:`SemanticSettings`).
         cache_dir: where to cache token embeddings and fields; defaults to the package cache directory.
         progress: show a progress bar while MiniLM encodes the vocabulary.
         name: the field's name.
@@ -115,23 +160,9 @@ def build_semantic_field(
         ModelNotFoundError: the MiniLM package is not installed (the message has the install command).
         VocabularyError: ``model``'s embedding matrix has fewer rows than the field is wide.
     """
-    if source not in SEMANTIC_SOURCES:
-        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise FieldError(f"top_k must be an integer >= 1, got {top_k!r}")
-    _check_number("z_threshold", z_threshold, 0.0, math.inf)
-    _check_number("glued_weight", glued_weight, 0.0, 1.0)
-    _check_number("min_value", min_value, 0.0, 1.0)
-    if min_value <= 0:
-        raise FieldError(f"min_value must be in (0, 1], got {min_value!r}; kept tokens need a positive value")
-    if source == "lm" and model is None:
-        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    _check_source(source, model)
+    vocab_size = settings.vocab_size if settings.vocab_size is not None else len(tokenizer)
     words = _topic_words(topic)
-
     cache = resolve_semantic_cache(cache_dir)
     key = {
         "version": _CACHE_VERSION,
@@ -139,11 +170,11 @@ def build_semantic_field(
         "source": source,
         "source_id": _source_id(source, model),
         "topic": topic if isinstance(topic, str) else words,
-        "top_k": top_k,
-        "z_threshold": float(z_threshold),
-        "min_value": float(min_value),
-        "glued_weight": float(glued_weight),
-        "center": bool(center),
+        "top_k": settings.top_k,
+        "z_threshold": float(settings.z_threshold),
+        "min_value": float(settings.min_value),
+        "glued_weight": float(settings.glued_weight),
+        "center": bool(settings.center),
         "vocab_size": vocab_size,
     }
     key_text = json.dumps(key, sort_keys=True, ensure_ascii=False)
@@ -151,14 +182,22 @@ def build_semantic_field(
     stored = _load(path)
     values = stored.get("values") if stored is not None and stored.get("key") == key_text else None
     if not isinstance(values, torch.Tensor) or values.shape != (vocab_size,):
-        z, vocab = _scores(tokenizer, topic, words, source, model, vocab_size, center, cache, progress)
-        values = _values_from_scores(z, vocab.spaced, top_k, z_threshold, min_value, glued_weight)
+        how = replace(settings, vocab_size=vocab_size)
+        z, vocab = _scores(tokenizer, topic, words, source, model, how, cache, progress)
+        values = _values_from_scores(z, vocab.spaced, settings)
         _save(path, {"key": key_text, "values": values})
         _evict(path.parent, FIELD_CACHE_ENTRIES, keep=path)
     else:
         _touch(path)
     report = WordReport(used={w: [] for w in ([topic] if isinstance(topic, str) else words)})
     return NarrativeField(values=values.clone(), report=report, name=name)
+
+
+def _check_source(source: str, model: Any) -> None:
+    if source not in SEMANTIC_SOURCES:
+        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
+    if source == "lm" and model is None:
+        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
 
 
 def semantic_scores(
@@ -174,13 +213,11 @@ def semantic_scores(
 ) -> torch.Tensor:
     """The z-score of every token's cosine to the topic centre (``[V]``; ``-inf`` for tokens that are
     special or have no letters). The raw material of :func:`build_semantic_field` (not cached)."""
-    if source not in SEMANTIC_SOURCES:
-        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
-    if source == "lm" and model is None:
-        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
-    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
-    cache = resolve_semantic_cache(cache_dir)
-    z, _ = _scores(tokenizer, topic, _topic_words(topic), source, model, vocab_size, center, cache, progress)
+    _check_source(source, model)
+    how = SemanticSettings(center=center, vocab_size=len(tokenizer) if vocab_size is None else vocab_size)
+    z, _ = _scores(
+        tokenizer, topic, _topic_words(topic), source, model, how, resolve_semantic_cache(cache_dir), progress
+    )
     return z
 
 
@@ -320,12 +357,6 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return special
 
 
-def _check_number(label: str, value: Any, lo: float, hi: float) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not lo <= value <= hi:
-        raise FieldError(f"{label} must be a number in [{lo:g}, {hi:g}], got {value!r}")
-
-
 def _topic_words(topic: Sequence[str] | str) -> list[str]:
     if isinstance(topic, str):
         if not topic.strip():
@@ -386,12 +417,12 @@ def _scores(
     words: list[str],
     source: str,
     model: Any,
-    vocab_size: int,
-    center: bool,
+    settings: SemanticSettings,
     cache: Path,
     progress: bool,
 ) -> tuple[torch.Tensor, _Vocab]:
-    """Z-scores ``[vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
+    """Z-scores ``[settings.vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
+    vocab_size = int(settings.vocab_size)  # type: ignore[arg-type]
     vocab = _vocab(tokenizer, vocab_size)
     if source == "lm":
         emb = _lm_embeddings(model).detach().float().cpu()
@@ -406,7 +437,7 @@ def _scores(
         emb = _minilm_token_matrix(tokenizer, vocab, cache, progress)
         texts = [topic] if isinstance(topic, str) else words
         topic_vecs = _minilm_encoder()(texts).float()
-    return _zscores(emb, topic_vecs, vocab.valid, center), vocab
+    return _zscores(emb, topic_vecs, vocab.valid, settings.center), vocab
 
 
 def _lm_topic_vectors(
@@ -446,11 +477,10 @@ def _zscores(emb: torch.Tensor, topic_vecs: torch.Tensor, valid: torch.Tensor, c
     return torch.where(valid, z, torch.full_like(z, float("-inf")))
 
 
-def _values_from_scores(
-    z: torch.Tensor, spaced: torch.Tensor, top_k: int, z_threshold: float, min_value: float, glued_weight: float
-) -> torch.Tensor:
+def _values_from_scores(z: torch.Tensor, spaced: torch.Tensor, settings: SemanticSettings) -> torch.Tensor:
+    top_k, min_value = settings.top_k, settings.min_value
     values = torch.zeros_like(z)
-    keep = torch.isfinite(z) & (z >= z_threshold)
+    keep = torch.isfinite(z) & (z >= settings.z_threshold)
     n = int(keep.sum())
     if n == 0:
         return values
@@ -460,7 +490,7 @@ def _values_from_scores(
     lo, hi = float(zk.min()), float(zk.max())
     scaled = torch.ones_like(zk) if hi <= lo else (zk - lo) / (hi - lo)
     vals = min_value + (1.0 - min_value) * scaled
-    vals = torch.where(spaced[top.indices], vals, vals * glued_weight)
+    vals = torch.where(spaced[top.indices], vals, vals * settings.glued_weight)
     values[top.indices] = vals
     return values
 

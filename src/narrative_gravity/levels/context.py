@@ -51,6 +51,7 @@ __all__ = [
     "STOPWORDS",
     "ChunkDecision",
     "PruneResult",
+    "PruneSettings",
     "cluster_embeddings",
     "content_words",
     "count_tokens",
@@ -298,6 +299,48 @@ def _normalize_chunks(chunks: Sequence[str | Mapping[str, Any]]) -> tuple[list[s
     return texts, ids
 
 
+@dataclass(frozen=True)
+class PruneSettings:
+    """How chunks are scored, clustered and selected (see the module doc); checked when made.
+
+    Args:
+        lexical_weight: share of BM25 in the question score; ``narrative_weight``: share of the narrative.
+        cluster_threshold: average-linkage cosine at which chunks merge into one cluster.
+        cluster_margin: a cluster is dropped when its centroid's cosine to the target is more than this below
+            the best cluster's; ``1`` (or more) turns cluster pruning off.
+        mmr_lambda: relevance against redundancy in MMR (1 = relevance only).
+        duplicate_threshold: cosine to a kept chunk at or above which a chunk is a near-duplicate.
+        min_score: drop chunks whose score is below this.
+
+    >>> PruneSettings(mmr_lambda=1.5)
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: `mmr_lambda` has to be in [0.0, 1.0], but is 1.5
+    """
+
+    lexical_weight: float = 0.3
+    narrative_weight: float = 0.3
+    cluster_threshold: float = 0.35
+    cluster_margin: float = 0.2
+    mmr_lambda: float = 0.9
+    duplicate_threshold: float = 0.95
+    min_score: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_unit("lexical_weight", self.lexical_weight)
+        _check_unit("narrative_weight", self.narrative_weight)
+        _check_unit("cluster_threshold", self.cluster_threshold, lo=-1.0)
+        _check_unit("cluster_margin", self.cluster_margin, hi=2.0)
+        _check_unit("mmr_lambda", self.mmr_lambda)
+        _check_unit("duplicate_threshold", self.duplicate_threshold, lo=-1.0)
+
+    @classmethod
+    def of(cls, level: Any) -> PruneSettings:
+        """The settings of a profile's ``context`` level (:class:`~narrative_gravity.profiles.schema.ContextLevel`)."""
+        names = ("lexical_weight", "narrative_weight", "cluster_threshold", "cluster_margin", "mmr_lambda")
+        return cls(**{n: getattr(level, n) for n in names}, duplicate_threshold=level.duplicate_threshold)
+
+
 def prune_context(
     question: str,
     chunks: Sequence[str | Mapping[str, Any]],
@@ -307,13 +350,7 @@ def prune_context(
     narrative: str | None = None,
     tokenizer: Any = None,
     encoder: Encoder | None = None,
-    lexical_weight: float = 0.3,
-    narrative_weight: float = 0.3,
-    cluster_threshold: float = 0.35,
-    cluster_margin: float = 0.2,
-    mmr_lambda: float = 0.9,
-    duplicate_threshold: float = 0.95,
-    min_score: float | None = None,
+    settings: PruneSettings = PruneSettings(),
 ) -> PruneResult:
     """Score, cluster and trim ``chunks`` for ``question`` (see the module doc for the rules).
 
@@ -327,13 +364,7 @@ def prune_context(
         narrative: a sentence describing the narrative (overrides the profile's).
         tokenizer: the generator's tokenizer, to count tokens; without it whitespace words are counted.
         encoder: ``texts -> [n, d]`` unit embeddings; defaults to MiniLM (:mod:`narrative_gravity.embeddings`).
-        lexical_weight: share of BM25 in the question score; ``narrative_weight``: share of the narrative.
-        cluster_threshold: average-linkage cosine at which chunks merge into one cluster.
-        cluster_margin: a cluster is dropped when its centroid's cosine to the target is more than this below
-            the best cluster's; ``1`` (or more) turns cluster pruning off.
-        mmr_lambda: relevance against redundancy in MMR (1 = relevance only).
-        duplicate_threshold: cosine to a kept chunk at or above which a chunk is a near-duplicate.
-        min_score: drop chunks whose score is below this.
+        settings: the weights and thresholds of :class:`PruneSettings`.
 
     Raises:
         ConfigurationError: an argument is out of range, or a chunk is neither a string nor has a ``text``.
@@ -344,96 +375,117 @@ def prune_context(
         isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0
     ):
         raise ConfigurationError(f"`budget_tokens` has to be an integer >= 0 or None, but is {budget_tokens!r}")
-    lexical_weight = _check_unit("lexical_weight", lexical_weight)
-    narrative_weight = _check_unit("narrative_weight", narrative_weight)
-    cluster_threshold = _check_unit("cluster_threshold", cluster_threshold, lo=-1.0)
-    cluster_margin = _check_unit("cluster_margin", cluster_margin, hi=2.0)
-    mmr_lambda = _check_unit("mmr_lambda", mmr_lambda)
-    duplicate_threshold = _check_unit("duplicate_threshold", duplicate_threshold, lo=-1.0)
     texts, ids = _normalize_chunks(chunks)
     if narrative is None and profile is not None:
         narrative = narrative_text(profile)
     if not texts:
         return PruneResult(question, [], budget_tokens)
-
-    encoder = encoder or _default_encoder()
-    targets = [question] + ([narrative] if narrative else [])
-    emb = _embed(encoder, targets + texts)
-    q_vec, n_vec, c_emb = emb[0], (emb[1] if narrative else None), emb[len(targets) :]
-
-    semantic = c_emb @ q_vec
-    bm = BM25([_terms(t) for t in texts]).scores(_terms(question))
-    lexical = bm / bm.max() if bm.max() > 0 else np.zeros_like(bm)
-    score = (1.0 - lexical_weight) * semantic + lexical_weight * lexical
-    nar = None
-    target = q_vec
-    if n_vec is not None:
-        nar = c_emb @ n_vec
-        score = (1.0 - narrative_weight) * score + narrative_weight * nar
-        t = q_vec + n_vec
-        target = t / (np.linalg.norm(t) or 1.0)
-
-    labels = cluster_embeddings(c_emb, cluster_threshold)
-    cluster_sim: dict[int, float] = {}
-    for k in np.unique(labels):
-        centroid = c_emb[labels == k].mean(axis=0)
-        centroid /= np.linalg.norm(centroid) or 1.0
-        cluster_sim[int(k)] = float(centroid @ target)
-    best_cluster = int(labels[int(np.argmax(score))])
-    cutoff = max(cluster_sim.values()) - cluster_margin
-
+    sc = _Scores.of(question, narrative, texts, encoder or _default_encoder(), settings)
     tokens = count_tokens(texts, tokenizer)
-    n = len(texts)
-    reasons: list[str | None] = [None] * n
-    for i in range(n):
-        k = int(labels[i])
-        if k != best_cluster and cluster_sim[k] < cutoff:
-            reasons[i] = f"off-narrative cluster {k} (centroid cos {cluster_sim[k]:.2f} < {cutoff:.2f})"
-        elif min_score is not None and score[i] < min_score:
-            reasons[i] = f"score {score[i]:.2f} below min_score {min_score:.2f}"
-
-    ranks: dict[int, int] = {}
-    left = budget_tokens
-    candidates = [i for i in range(n) if reasons[i] is None]
-    max_sim = np.full(n, -np.inf)
-    while candidates:
-        redundancy = np.where(np.isfinite(max_sim), max_sim, 0.0)
-        mmr = mmr_lambda * score - (1.0 - mmr_lambda) * redundancy
-        i = max(candidates, key=lambda j: (mmr[j], -j))
-        candidates.remove(i)
-        if ranks and max_sim[i] >= duplicate_threshold:
-            twin = max(ranks, key=lambda j: float(c_emb[j] @ c_emb[i]))
-            reasons[i] = f"near-duplicate of chunk {ids[twin]} (cos {max_sim[i]:.2f})"
-            continue
-        if left is not None and tokens[i] > left:
-            reasons[i] = f"over budget ({tokens[i]} tokens, {left} left)"
-            continue
-        ranks[i] = len(ranks) + 1
-        if left is not None:
-            left -= tokens[i]
-        max_sim = np.maximum(max_sim, c_emb @ c_emb[i])
-
+    reasons, cluster_sim = sc.cluster_reasons(settings)
+    ranks = sc.select(reasons, tokens, ids, budget_tokens, settings)
     decisions = []
-    for i in range(n):
+    for i in range(len(texts)):
         kept = i in ranks
-        reason = f"kept #{ranks[i]}" if kept else str(reasons[i])
         decisions.append(
             ChunkDecision(
                 index=i,
                 id=ids[i],
                 text=texts[i],
                 tokens=tokens[i],
-                score=float(score[i]),
-                lexical=float(lexical[i]),
-                semantic=float(semantic[i]),
-                narrative=None if nar is None else float(nar[i]),
-                cluster=int(labels[i]),
+                score=float(sc.score[i]),
+                lexical=float(sc.lexical[i]),
+                semantic=float(sc.semantic[i]),
+                narrative=None if sc.narrative is None else float(sc.narrative[i]),
+                cluster=int(sc.labels[i]),
                 kept=kept,
-                reason=reason,
+                reason=f"kept #{ranks[i]}" if kept else str(reasons[i]),
                 rank=ranks.get(i),
             )
         )
     return PruneResult(question, decisions, budget_tokens, cluster_sim)
+
+
+@dataclass
+class _Scores:
+    """Every chunk's scores against the question (and narrative), its embedding and its cluster."""
+
+    score: np.ndarray
+    lexical: np.ndarray
+    semantic: np.ndarray
+    narrative: np.ndarray | None
+    emb: np.ndarray
+    target: np.ndarray
+    labels: np.ndarray
+
+    @classmethod
+    def of(
+        cls, question: str, narrative: str | None, texts: list[str], encoder: Encoder, settings: PruneSettings
+    ) -> _Scores:
+        targets = [question] + ([narrative] if narrative else [])
+        emb = _embed(encoder, targets + texts)
+        q_vec, n_vec, c_emb = emb[0], (emb[1] if narrative else None), emb[len(targets) :]
+        semantic = c_emb @ q_vec
+        bm = BM25([_terms(t) for t in texts]).scores(_terms(question))
+        lexical = bm / bm.max() if bm.max() > 0 else np.zeros_like(bm)
+        score = (1.0 - settings.lexical_weight) * semantic + settings.lexical_weight * lexical
+        nar, target = None, q_vec
+        if n_vec is not None:
+            nar = c_emb @ n_vec
+            score = (1.0 - settings.narrative_weight) * score + settings.narrative_weight * nar
+            t = q_vec + n_vec
+            target = t / (np.linalg.norm(t) or 1.0)
+        labels = cluster_embeddings(c_emb, settings.cluster_threshold)
+        return cls(score, lexical, semantic, nar, c_emb, target, labels)
+
+    def cluster_reasons(self, settings: PruneSettings) -> tuple[list[str | None], dict[int, float]]:
+        """Why each chunk is dropped before selection (an off-narrative cluster, ``min_score``), else ``None``;
+        and each cluster's centroid cosine to the target."""
+        cluster_sim: dict[int, float] = {}
+        for k in np.unique(self.labels):
+            centroid = self.emb[self.labels == k].mean(axis=0)
+            centroid /= np.linalg.norm(centroid) or 1.0
+            cluster_sim[int(k)] = float(centroid @ self.target)
+        best_cluster = int(self.labels[int(np.argmax(self.score))])
+        cutoff = max(cluster_sim.values()) - settings.cluster_margin
+        reasons: list[str | None] = [None] * len(self.score)
+        for i, k in enumerate(int(x) for x in self.labels):
+            if k != best_cluster and cluster_sim[k] < cutoff:
+                reasons[i] = f"off-narrative cluster {k} (centroid cos {cluster_sim[k]:.2f} < {cutoff:.2f})"
+            elif settings.min_score is not None and self.score[i] < settings.min_score:
+                reasons[i] = f"score {self.score[i]:.2f} below min_score {settings.min_score:.2f}"
+        return reasons, cluster_sim
+
+    def select(
+        self,
+        reasons: list[str | None],
+        tokens: list[int],
+        ids: list[str],
+        budget: int | None,
+        settings: PruneSettings,
+    ) -> dict[int, int]:
+        """MMR over the chunks left: each kept chunk's rank; ``reasons`` gets why the others were skipped."""
+        ranks: dict[int, int] = {}
+        left, lam = budget, settings.mmr_lambda
+        candidates = [i for i, r in enumerate(reasons) if r is None]
+        max_sim = np.full(len(reasons), -np.inf)
+        while candidates:
+            redundancy = np.where(np.isfinite(max_sim), max_sim, 0.0)
+            mmr = lam * self.score - (1.0 - lam) * redundancy
+            i = max(candidates, key=lambda j: (mmr[j], -j))
+            candidates.remove(i)
+            if ranks and max_sim[i] >= settings.duplicate_threshold:
+                twin = max(ranks, key=lambda j: float(self.emb[j] @ self.emb[i]))
+                reasons[i] = f"near-duplicate of chunk {ids[twin]} (cos {max_sim[i]:.2f})"
+                continue
+            if left is not None and tokens[i] > left:
+                reasons[i] = f"over budget ({tokens[i]} tokens, {left} left)"
+                continue
+            ranks[i] = len(ranks) + 1
+            if left is not None:
+                left -= tokens[i]
+            max_sim = np.maximum(max_sim, self.emb @ self.emb[i])
+        return ranks
 
 
 def result_table(result: PruneResult, *, width: int = 60) -> Any:

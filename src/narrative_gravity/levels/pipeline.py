@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..eval.metrics import contains_any
 from ..profiles.schema import Profile
-from .context import count_tokens, narrative_text, prune_context
+from .context import PruneSettings, count_tokens, narrative_text, prune_context
 from .memory import TopicMemory
 from .plan import outline_prompt, score_outlines, select_outlines, stages_from_outline
 from .token_encoder import token_encoder
@@ -219,12 +219,7 @@ def _context_level(
         profile=profile,
         tokenizer=tokenizer,
         encoder=encoder,
-        lexical_weight=level.lexical_weight,
-        narrative_weight=level.narrative_weight,
-        cluster_threshold=level.cluster_threshold,
-        cluster_margin=level.cluster_margin,
-        mmr_lambda=level.mmr_lambda,
-        duplicate_threshold=level.duplicate_threshold,
+        settings=PruneSettings.of(level),
     )
     info = {
         "pruned": True,

@@ -32,6 +32,7 @@ from ..engines.options import GenerationOptions
 from ..engines.prompts import encode_prompts, eos_token_ids
 from ..errors import ConfigurationError
 from ..fields import NarrativeField, build_semantic_field
+from ..fields.semantic import SemanticSettings
 from ..gravity.controllers import ConstantController, StrengthController, ThermostatController
 from ..profiles.build import Stage, parse_stages, stage_plan
 from ..profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile
@@ -276,17 +277,8 @@ class _Writer:
         if not self.settings.semantic:
             return None
         topic = self.topic_words or [w for s in plan for w in s.core_semantics]
-        opts = FieldOptions()
-        return build_semantic_field(
-            self.tokenizer,
-            topic,
-            source="minilm",
-            top_k=opts.semantic_top_k,
-            z_threshold=opts.semantic_z_threshold,
-            min_value=opts.semantic_min_value,
-            glued_weight=opts.glued_weight,
-            progress=False,
-        )
+        settings = SemanticSettings.of(FieldOptions())  # a profile's defaults
+        return build_semantic_field(self.tokenizer, topic, source="minilm", settings=settings, progress=False)
 
     def write(self, plan: list[Stage], best: Outline | None) -> tuple[str, int, list[int], str]:
         """The text, its generated tokens, the stage each row reached, and the prompt it was written from."""

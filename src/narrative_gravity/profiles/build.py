@@ -32,7 +32,7 @@ from ..fields import NarrativeField, combine_fields
 from ..fields.lexical import build_lexical_field, reach, surface_forms, weighted_lexical_field
 from ..fields.neighbours import neighbour_words
 from ..fields.required import build_requirement
-from ..fields.semantic import build_semantic_field
+from ..fields.semantic import SemanticSettings, build_semantic_field
 from ..gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
 from ..gravity.field import merge_fields
 from ..gravity.kernel import Program
@@ -121,10 +121,7 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
         opts.semantic_topic if opts.semantic_topic is not None else profile.keywords(),
         source=opts.semantic_source,
         model=model,
-        top_k=opts.semantic_top_k,
-        z_threshold=opts.semantic_z_threshold,
-        min_value=opts.semantic_min_value,
-        glued_weight=opts.glued_weight,
+        settings=SemanticSettings.of(opts),
         name=name,
     )
     if lexical is None:

@@ -70,8 +70,18 @@ class Metrics:
                 "server metrics need prometheus-client; install it with:\n    pip install 'narrative-gravity[server]'"
             )
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         self._lock = threading.Lock()
+        self._profile_series(self.registry)
+        self._engine_series(self.registry)
+        self._arm_series(self.registry)
+        self._arm_profiles: set[str] = set()
+        self._sums: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # mass, kl, rows
+        self._scrape = _ScrapeGauges()
+        self.registry.register(self._scrape)
+        self._batches = 0
+
+    def _profile_series(self, r: Any) -> None:
+        """Per profile: requests, tokens, latency, time to first token, the trace means; and errors."""
         self.requests = Counter(
             "ngrav_requests", "Completed requests by endpoint and profile.", ["endpoint", "profile"], registry=r
         )
@@ -116,6 +126,9 @@ class Metrics:
             ["status", "code"],
             registry=r,
         )
+
+    def _engine_series(self, r: Any) -> None:
+        """Batches and the rows they held; engine steps and the rows each advanced."""
         self.generate_calls = Counter(
             "ngrav_generate_calls", "Batches run (one blocking generate call each).", registry=r
         )
@@ -130,6 +143,9 @@ class Metrics:
         self.step_rows = Histogram(
             "ngrav_step_rows", "Rows that got a token in one engine step.", buckets=BATCH_BUCKETS, registry=r
         )
+
+    def _arm_series(self, r: Any) -> None:
+        """Per stored profile and arm: requests, tokens, latency and the means per request; shadows skipped."""
         arm = ["profile", "arm"]
         self.arm_requests = Counter(
             "ngrav_arm_requests", "Finished requests (and shadow runs) by stored profile and arm.", arm, registry=r
@@ -177,11 +193,6 @@ class Metrics:
             ["profile"],
             registry=r,
         )
-        self._arm_profiles: set[str] = set()
-        self._sums: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # mass, kl, rows
-        self._scrape = _ScrapeGauges()
-        r.register(self._scrape)
-        self._batches = 0
 
     # ------------------------------------------------------------------------------------------- updates
 
