@@ -12,16 +12,14 @@ from typer.testing import CliRunner
 from narrative_gravity.cli.main import app
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.levels.context import (
-    BM25,
     PruneSettings,
-    cluster_embeddings,
     content_words,
     count_tokens,
-    hashing_encoder,
     prune_context,
     result_table,
     stem,
 )
+from narrative_gravity.levels.ranking import BM25, cluster_embeddings, hashing_encoder
 from narrative_gravity.profiles.schema import Profile
 from narrative_gravity.ragbench import (
     Document,
@@ -329,7 +327,7 @@ def test_helpers():
 @pytest.mark.slow
 def test_minilm_pruning_keeps_the_topic_and_drops_the_other_one():
     pytest.importorskip("transformers")
-    from narrative_gravity.fields.semantic import minilm_folder
+    from narrative_gravity.fields.minilm import minilm_folder
 
     try:
         minilm_folder()

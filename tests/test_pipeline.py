@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from narrative_gravity.errors import ConfigurationError, ProfileError
-from narrative_gravity.levels.context import hashing_encoder
 from narrative_gravity.levels.pipeline import (
     CONTEXT_TEMPLATE,
     needs_pipeline,
@@ -21,6 +20,7 @@ from narrative_gravity.levels.pipeline import (
     split_documents,
     stage_report,
 )
+from narrative_gravity.levels.ranking import hashing_encoder
 from narrative_gravity.profiles.schema import Profile
 
 ENC = hashing_encoder()
@@ -261,11 +261,11 @@ def test_the_token_table_encoder_ranks_related_passages_first(
     """The default passage encoder of the context level: MiniLM's token table, no transformer pass."""
     import numpy as np
 
-    from narrative_gravity.fields import semantic as sem
+    from narrative_gravity.fields import minilm
     from narrative_gravity.levels.token_encoder import token_encoder
 
-    if importlib.util.find_spec(sem.MINILM_MODULE) is None:
-        pytest.skip(sem.MINILM_INSTALL)
+    if importlib.util.find_spec(minilm.MINILM_MODULE) is None:
+        pytest.skip(minilm.MINILM_INSTALL)
     monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path))
     enc = token_encoder(tiny_tokenizer)
     assert token_encoder(tiny_tokenizer) is enc  # built once per tokenizer

@@ -11,8 +11,8 @@ from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
 from narrative_gravity.gravity.stages import StagePlan
-from narrative_gravity.levels.context import hashing_encoder
 from narrative_gravity.levels.plan import Outline, parse_outline, score_outlines, select_outlines, stages_from_outline
+from narrative_gravity.levels.ranking import hashing_encoder
 from narrative_gravity.levels.write import PLAN_OPTIONS, PlanSettings, plan_then_write, staged_processor
 from narrative_gravity.profiles.build import parse_stages
 

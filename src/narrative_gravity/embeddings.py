@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from .fields.semantic import minilm_folder
+from .fields.minilm import minilm_folder
 
 __all__ = ["MAX_LENGTH", "TextEncoder", "encode", "load_minilm", "mean_pool"]
 

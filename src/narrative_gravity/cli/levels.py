@@ -185,10 +185,10 @@ def prune_context_command(
 
     Example: ngrav prune-context --question "How did telescopes change astronomy?" --chunks chunks.jsonl --budget 400
     """
-    from ..levels.context import hashing_encoder, prune_context, result_table  # torch and MiniLM: not for --help
+    from ..levels import context, ranking  # torch and MiniLM: not for --help
 
     check_encoder(encoder)
-    enc = hashing_encoder() if encoder == "hashing" else None
+    enc = ranking.hashing_encoder() if encoder == "hashing" else None
     if count not in ("tokens", "words"):
         fail(f"--count must be tokens or words, got {count!r}")
     check_output(json_out, "--json")
@@ -198,9 +198,9 @@ def prune_context_command(
     if count == "tokens":
         check_model(model)
         tok = tokenizer(model)
-    result = guarded(lambda: prune_context(question, rows, budget, profile=prof, tokenizer=tok, encoder=enc))
+    result = guarded(lambda: context.prune_context(question, rows, budget, profile=prof, tokenizer=tok, encoder=enc))
     console = Console()
-    console.print(result_table(result))
+    console.print(context.result_table(result))
     console.print(
         f"kept {len(result.kept)} of {len(result.decisions)} chunks; tokens saved: {result.tokens_saved} of "
         f"{result.tokens_total} ({100 * result.saved_fraction:.1f}%)"
@@ -246,12 +246,12 @@ def plan(
 
     Example: ngrav plan --prompt "Write a short article about coral reefs." --max-new-tokens 128
     """
-    from ..levels import context, write  # torch and MiniLM: not for --help
+    from ..levels import ranking, write  # torch and MiniLM: not for --help
 
     check_encoder(encoder)
     if schedule not in ("thermostat", "constant"):
         fail(f"--schedule must be thermostat or constant, got {schedule!r}")
-    enc = context.hashing_encoder() if encoder == "hashing" else None
+    enc = ranking.hashing_encoder() if encoder == "hashing" else None
     settings = guarded(
         lambda: write.PlanSettings(
             n_drafts=drafts, sections=sections, outline_tokens=outline_tokens, strength=strength, schedule=schedule,

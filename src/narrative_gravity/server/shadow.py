@@ -35,10 +35,11 @@ from ..profiles.rollout import SPLIT_A, SPLIT_B
 from .arms import ArmRecord, ArmRecorder, mean_stats
 from .backends.base import Backend, ResolvedGravity, RowStats
 from .config import ServerConfig
+from .continuous import ContinuousScheduler
 from .limits import check_gravity
 from .protocol import APIError
 from .resolver import GravityResolver
-from .scheduler import BatchScheduler, ContinuousScheduler, Job
+from .scheduler import BatchScheduler, Job
 from .telemetry import Metrics
 
 __all__ = ["FollowUps"]

@@ -17,10 +17,11 @@ from ..profiles.store import ProfileStore
 from .arms import ArmRecorder
 from .backends.base import Backend, ResolvedGravity
 from .config import ServerConfig
+from .continuous import ContinuousScheduler, make_scheduler
 from .limits import check_gravity
 from .protocol import APIError
 from .resolver import GravityResolver
-from .scheduler import BatchScheduler, ContinuousScheduler, make_scheduler
+from .scheduler import BatchScheduler
 from .shadow import FollowUps
 from .telemetry import Metrics
 

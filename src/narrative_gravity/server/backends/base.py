@@ -7,7 +7,7 @@ transformers backend is :class:`~narrative_gravity.server.backends.hf.HFBackend`
 
 A backend whose engine admits rows into its running batch at any step is also a :class:`ContinuousBackend`:
 the server then submits each request's rows to it as they arrive instead of collecting batches
-(:class:`~narrative_gravity.server.scheduler.ContinuousScheduler`).
+(:class:`~narrative_gravity.server.continuous.ContinuousScheduler`).
 
 A row's budget and sampling are a :class:`~narrative_gravity.engines.options.GenerationOptions` (``row.options``).
 """
