@@ -22,6 +22,7 @@ from narrative_gravity.levels.context import (
 from narrative_gravity.levels.ranking import BM25, cluster_embeddings, hashing_encoder
 from narrative_gravity.profiles.schema import Profile
 from narrative_gravity.ragbench import (
+    CaseShape,
     Document,
     build_cases,
     exact_match_rank,
@@ -279,16 +280,21 @@ def _docs() -> list[Document]:
     return docs
 
 
+SHAPE = CaseShape(passage_words=30, random_passages=2, nearby_docs=1)
+
+
 def test_build_cases_is_deterministic_per_seed():
-    a = build_cases(_docs(), n_cases=4, seed=3, passage_words=30, random_passages=2, nearby_docs=1)
-    b = build_cases(_docs(), n_cases=4, seed=3, passage_words=30, random_passages=2, nearby_docs=1)
-    c = build_cases(_docs(), n_cases=4, seed=4, passage_words=30, random_passages=2, nearby_docs=1)
+    a = build_cases(_docs(), n_cases=4, seed=3, shape=SHAPE)
+    b = build_cases(_docs(), n_cases=4, seed=3, shape=SHAPE)
+    c = build_cases(_docs(), n_cases=4, seed=4, shape=SHAPE)
     assert a and [x.to_json() for x in a] == [x.to_json() for x in b]
     assert [x.to_json() for x in a] != [x.to_json() for x in c]
 
 
 def test_cases_have_gold_from_one_document_and_distractors_from_others():
-    cases = build_cases(_docs(), n_cases=3, seed=0, passage_words=30, gold_passages=2, random_passages=2)
+    cases = build_cases(
+        _docs(), n_cases=3, seed=0, shape=CaseShape(passage_words=30, gold_passages=2, random_passages=2)
+    )
     for case in cases:
         gold = [p for p in case.passages if p.gold]
         assert len(gold) == 2 and {p.doc_id for p in gold} == {case.doc_id}

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..profiles.rollout import SPLIT_A, SPLIT_B
@@ -42,11 +42,23 @@ from .resolver import GravityResolver
 from .scheduler import BatchScheduler, Job
 from .telemetry import Metrics
 
-__all__ = ["FollowUps"]
+__all__ = ["Answered", "FollowUps"]
 
 log = logging.getLogger("narrative_gravity.server")
 
 _DRAIN_TIMEOUT_S = 600.0  # a row's end arrives long before; this only keeps a stuck engine from leaking tasks
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What answering a request took: its id and endpoint, its tokens, and its times in seconds."""
+
+    request_id: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+    ttft: float | None
 
 
 class FollowUps:
@@ -74,31 +86,21 @@ class FollowUps:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def finished(
-        self,
-        *,
-        job: Job,
-        gravity: ResolvedGravity | None,
-        stats: dict[int, RowStats],
-        request_id: str,
-        endpoint: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        seconds: float,
-        ttft: float | None,
+        self, *, job: Job, gravity: ResolvedGravity | None, stats: dict[int, RowStats], answer: Answered
     ) -> None:
         """A request's answer is complete: record it (and run its shadow) in the background. Event loop only."""
         if gravity is None or gravity.name is None or gravity.version is None or gravity.arm is None:
             return
         main = ArmRecord(
-            request=request_id,
+            request=answer.request_id,
             profile=gravity.name,
             version=gravity.version,
             arm=gravity.arm,
-            completion_tokens=completion_tokens,
-            latency_s=seconds,
-            prompt_tokens=prompt_tokens,
-            ttft_s=ttft,
-            endpoint=endpoint,
+            completion_tokens=answer.completion_tokens,
+            latency_s=answer.seconds,
+            prompt_tokens=answer.prompt_tokens,
+            ttft_s=answer.ttft,
+            endpoint=answer.endpoint,
         )
         task = asyncio.create_task(self._follow(job, gravity, dict(stats), main), name="ngrav-follow-up")
         self._tasks.add(task)

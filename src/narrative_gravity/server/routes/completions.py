@@ -36,6 +36,7 @@ from ..resolver import request_lead, with_lead
 from ..responses import Completion, Reader, error_event, stream
 from ..scheduler import Job
 from ..schemas import ChatCompletion, ErrorResponse, TextCompletion, body
+from ..shadow import Answered
 from ..state import ServerState, server_state
 from ..structured import check_response_format, parse_response_format
 
@@ -185,9 +186,9 @@ def _done(state: ServerState, ctx: Completion, reader: Reader, started: float) -
     seconds = time.perf_counter() - started
     endpoint = "chat" if ctx.chat else "completions"
     label = ctx.gravity.label if ctx.gravity is not None else "none"
-    tokens = {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": reader.completion_tokens}
-    state.metrics.request_done(endpoint, label, **tokens, seconds=seconds, ttft=reader.ttft)
-    state.followups.finished(
-        job=reader.job, gravity=ctx.gravity, stats=reader.stats, request_id=ctx.id, endpoint=endpoint, **tokens,
-        seconds=seconds, ttft=reader.ttft,
+    answer = Answered(ctx.id, endpoint, ctx.prompt_tokens, reader.completion_tokens, seconds, reader.ttft)
+    state.metrics.request_done(
+        endpoint, label, prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
+        seconds=seconds, ttft=answer.ttft,
     )  # fmt: skip
+    state.followups.finished(job=reader.job, gravity=ctx.gravity, stats=reader.stats, answer=answer)
