@@ -38,7 +38,8 @@ from ..gravity.field import merge_fields
 from ..gravity.kernel import Program
 from ..gravity.require import Requirement
 from ..gravity.stages import StagePlan
-from .schema import Profile
+from .blocks import FieldOptions
+from .schema import THERMOSTAT_MAX_PER_STRENGTH, Profile
 
 __all__ = [
     "FIELD_CACHE_SIZE",
@@ -47,9 +48,11 @@ __all__ = [
     "controller_from_profile",
     "field_from_profile",
     "parse_stages",
+    "phase_args",
     "program_from_profile",
     "requirement_from_profile",
     "stage_plan",
+    "thermostat_args",
 ]
 
 # Most recently used last. Entries hold the tokenizer (and a weak reference to the model) they were built for: an ``id`` alone can be
@@ -73,13 +76,9 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
             f"field.mode={opts.mode!r} with field.semantic_source='lm' reads the generator's input embeddings; "
             "pass model= (the model you generate with), or set field.semantic_source to 'minilm'"
         )
+    words = _Words.of(profile)
     spec = json.dumps(
-        {
-            "core": profile.keywords(),
-            "penalize": profile.penalized(),
-            "field": opts.model_dump(),
-            "memory": profile.memory,
-        },
+        {"core": words.core, "penalize": words.avoid, "field": opts.model_dump(), "memory": profile.memory},
         sort_keys=True,
     )
     model_key = id(model) if semantic and opts.semantic_source == "lm" else 0
@@ -88,7 +87,7 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
     if hit is not None and hit[0] is tokenizer and (model_key == 0 or hit[1]() is model):
         _FIELD_CACHE.move_to_end(key)
         return hit[2]
-    built = _build_field(profile, tokenizer, model)
+    built = _build_field(words, opts, tokenizer, model)
     if profile.memory:
         remembered = weighted_lexical_field(tokenizer, profile.memory, name="memory")
         if remembered is not None:
@@ -100,29 +99,43 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
     return built
 
 
-def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField:
-    opts = profile.field
-    name = profile.name or "profile"
+@dataclass(frozen=True)
+class _Words:
+    """A profile's words, expanded once: the narrative's, those pushed away, and the topic a semantic field reads."""
+
+    core: list[str]
+    avoid: list[str]
+    topic: list[str] | str
+    name: str
+
+    @classmethod
+    def of(cls, profile: Profile) -> _Words:
+        core = profile.keywords()
+        topic = profile.field.semantic_topic
+        return cls(core, profile.penalized(), topic if topic is not None else core, profile.name or "profile")
+
+
+def _build_field(words: _Words, opts: FieldOptions, tokenizer: Any, model: Any) -> NarrativeField:
     lexical = None
-    if opts.mode in ("lexical", "hybrid") or profile.penalized():
+    if opts.mode in ("lexical", "hybrid") or words.avoid:
         lexical = build_lexical_field(
             tokenizer,
-            profile.keywords(),
-            profile.penalized(),
+            words.core,
+            words.avoid,
             glued_weight=opts.glued_weight,
             first_piece_weight=opts.first_piece_weight,
             max_pieces=opts.max_pieces,
-            name=name,
+            name=words.name,
         )
     if opts.mode == "lexical":
         return lexical
     semantic = build_semantic_field(
         tokenizer,
-        opts.semantic_topic if opts.semantic_topic is not None else profile.keywords(),
+        words.topic,
         source=opts.semantic_source,
         model=model,
         settings=SemanticSettings.of(opts),
-        name=name,
+        name=words.name,
     )
     if lexical is None:
         built = semantic
@@ -131,24 +144,18 @@ def _build_field(profile: Profile, tokenizer: Any, model: Any) -> NarrativeField
     else:  # semantic mode: the semantic pull plus only the penalties of the lexical field
         built = combine_fields(lexical, semantic, weight=1.0, lexical_positive=False)
     if opts.neighbours:
-        built = _with_neighbours(profile, tokenizer, built)
+        built = _with_neighbours(words, opts, tokenizer, built)
     return built
 
 
-def _with_neighbours(profile: Profile, tokenizer: Any, built: NarrativeField) -> NarrativeField:
+def _with_neighbours(words: _Words, opts: FieldOptions, tokenizer: Any, built: NarrativeField) -> NarrativeField:
     """``built`` with the ``field.neighbours`` whole words nearest the topic pulled lexically (max of the two)."""
-    opts = profile.field
-    topic = opts.semantic_topic if opts.semantic_topic is not None else profile.keywords()
-    words = neighbour_words(
-        topic,
-        count=opts.neighbours,
-        vocabulary=opts.neighbours_vocabulary,
-        exclude=profile.penalized(),
-        progress=False,
+    near_words = neighbour_words(
+        words.topic, count=opts.neighbours, vocabulary=opts.neighbours_vocabulary, exclude=words.avoid, progress=False
     )
     near = weighted_lexical_field(
         tokenizer,
-        {w: x * opts.neighbours_weight for w, x in words.items()},
+        {w: x * opts.neighbours_weight for w, x in near_words.items()},
         name="neighbours",
         glued_weight=opts.glued_weight,
         first_piece_weight=opts.first_piece_weight,
@@ -190,23 +197,42 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
 
 
 def controller_from_profile(profile: Profile) -> ScheduleController:
-    """``constant`` gives a :class:`ConstantController`, ``phases`` a :class:`PhaseScheduleController`,
-    ``thermostat`` a :class:`ThermostatController`. In the kernel the thermostat reads drift through the
-    base values of each row's field (its current stage's, with ``stages``)."""
+    """``constant`` gives a :class:`ConstantController` (a :class:`PhaseScheduleController` with flat phases when
+    the pull decays), ``phases`` a :class:`PhaseScheduleController`, ``thermostat`` a :class:`ThermostatController`.
+    In the kernel the thermostat reads drift through the base values of each row's field (its current stage's,
+    with ``stages``)."""
     if profile.schedule == "thermostat":
-        return ThermostatController(**profile.thermostat_kwargs())
-    if profile.schedule == "constant":
-        if profile.decay_after_steps is not None:
-            return PhaseScheduleController(
-                profile.gravity_strength,
-                explore=1.0,
-                converge=1.0,
-                strict=1.0,
-                decay_after_steps=profile.decay_after_steps,
-                decay_half_life=profile.decay_half_life,
-            )
+        args = thermostat_args(profile)
+        return ThermostatController(**args)
+    if profile.schedule == "constant" and profile.decay_after_steps is None:
         return ConstantController(profile.gravity_strength)
-    return PhaseScheduleController(profile.gravity_strength, **profile.controller_kwargs())
+    args = phase_args(profile)
+    return PhaseScheduleController(profile.gravity_strength, **args)
+
+
+def phase_args(profile: Profile) -> dict[str, Any]:
+    """The keyword arguments of :class:`~narrative_gravity.gravity.controllers.PhaseScheduleController` for a profile
+    (``constant``: one flat phase, for a pull that decays)."""
+    flat = {"explore": 1.0, "converge": 1.0, "strict": 1.0}
+    phases = flat if profile.schedule == "constant" else profile.phases.model_dump()
+    return {**phases, "decay_after_steps": profile.decay_after_steps, "decay_half_life": profile.decay_half_life}
+
+
+def thermostat_args(profile: Profile) -> dict[str, Any]:
+    """The keyword arguments of :class:`~narrative_gravity.gravity.controllers.ThermostatController` for a profile.
+
+    ``max_strength`` defaults to ``gravity_strength × 4.25 / 1.5`` (capped at 50): the topic default's λ_max 4.25
+    at the default strength 1.5, and proportional to the strength a user asks for.
+
+    >>> round(thermostat_args(Profile.from_mapping({"core_semantics": ["x"], "gravity_strength": 1.2}))["max_strength"], 2)
+    3.4
+    """
+    opts = profile.thermostat.model_dump()
+    lam_max = opts.pop("max_strength")
+    if lam_max is None:
+        lam_max = min(profile.gravity_strength * THERMOSTAT_MAX_PER_STRENGTH, 50.0)
+    return {"max_strength": lam_max, **opts, "decay_after_steps": profile.decay_after_steps,
+            "decay_half_life": profile.decay_half_life}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

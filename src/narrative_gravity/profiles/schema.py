@@ -21,8 +21,8 @@ the key, the value and the fix, and suggest the intended key for typos.
 >>> p = Profile.from_mapping({"core_semantics": ["binary_search"], "gravity_strength": 1.2})
 >>> p.keywords()
 ['binary', 'search', 'binary search']
->>> p.schedule, p.field.mode, p.field.repeat_weight, round(p.thermostat_kwargs()["max_strength"], 2)
-('thermostat', 'semantic', 0.0, 3.4)
+>>> p.schedule, p.field.mode, p.field.repeat_weight
+('thermostat', 'semantic', 0.0)
 >>> classic = Profile.from_mapping({"core_semantics": ["binary_search"], "schedule": "constant"})
 >>> classic.field.mode, classic.field.repeat_weight
 ('lexical', 1.0)
@@ -226,31 +226,6 @@ class Profile(StrictModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ProfileError(_explain(exc, source)) from None
-
-    def controller_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.gravity.controllers.PhaseScheduleController`."""
-        return {
-            **self.phases.model_dump(),
-            "decay_after_steps": self.decay_after_steps,
-            "decay_half_life": self.decay_half_life,
-        }
-
-    def thermostat_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~narrative_gravity.gravity.controllers.ThermostatController`.
-
-        ``max_strength`` defaults to ``gravity_strength × 4.25 / 1.5`` (capped at 50): the topic default's
-        λ_max 4.25 at the default strength 1.5, and proportional to the strength a user asks for.
-        """
-        opts = self.thermostat.model_dump()
-        lam_max = opts.pop("max_strength")
-        if lam_max is None:
-            lam_max = min(self.gravity_strength * THERMOSTAT_MAX_PER_STRENGTH, 50.0)
-        return {
-            "max_strength": lam_max,
-            **opts,
-            "decay_after_steps": self.decay_after_steps,
-            "decay_half_life": self.decay_half_life,
-        }
 
 
 NUMERIC_KEYS.update(
