@@ -75,7 +75,6 @@ def central_words(words: Sequence[str], k: int) -> list[str]:
 
 @lru_cache(maxsize=1024)
 def _central(key: tuple[str, ...], k: int, words: tuple[str, ...]) -> tuple[str, ...]:
-
     vectors = encode(list(key))
     centre = torch.nn.functional.normalize(vectors.mean(0), dim=0)
     score = {w: float(s) for w, s in zip(key, (vectors @ centre).tolist(), strict=True)}

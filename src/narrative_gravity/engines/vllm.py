@@ -446,7 +446,6 @@ class CheckpointEmbeddings:
 
     @classmethod
     def load(cls, folder: Any) -> CheckpointEmbeddings:
-
         path = Path(str(folder)) if folder else None
         files = sorted(path.glob("*.safetensors")) if path is not None and path.is_dir() else []
         for file in files:

@@ -122,7 +122,6 @@ def run_command(
 
 
 def _print(summary: dict[str, Any], out: Path) -> None:
-
     console = Console(width=None if sys.stdout.isatty() else 150)
     style = {"better": "green", "worse": "red"}
     for arm in summary.get("comparisons", {}):

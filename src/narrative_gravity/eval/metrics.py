@@ -119,7 +119,6 @@ class MetricContext:
         return [self._vectors[t] for t in texts]
 
     def centroid(self, words: tuple[str, ...]) -> Any:
-
         if words not in self._centroids:
             vecs = torch.stack(self.vectors(list(words)))
             self._centroids[words] = torch.nn.functional.normalize(vecs.mean(dim=0), dim=-1)

@@ -468,7 +468,6 @@ class _Runner:
         return field_from_profile(self.plan.profile_for(arm, prompt), self.tok, model=self.model)
 
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
-
         base = self.plan.arms[arm].baseline if arm != CONTROL else None
         if base is not None:
             kind, lam = base
@@ -769,7 +768,6 @@ def _loop(
     progress: bool,
     console: Any,
 ) -> None:
-
     failures = ResultStore(out / FAILURES)
     bar = Progress(
         TextColumn("{task.description}"),

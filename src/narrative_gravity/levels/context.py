@@ -53,7 +53,6 @@ __all__ = [
 
 
 def _default_encoder() -> Encoder:
-
     return encode
 
 

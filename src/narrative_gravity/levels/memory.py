@@ -158,7 +158,6 @@ class Conversation:
         system: str | None = None,
         history_turns: int = 4,
     ) -> None:
-
         if history_turns < 0:
             raise ConfigurationError(f"`history_turns` has to be >= 0, but is {history_turns}")
         self.model = model
@@ -182,7 +181,6 @@ class Conversation:
         return weighted_lexical_field(self.tokenizer, weights) if weights else None
 
     def _controller(self) -> Any:
-
         if self.strength is not None:
             return ConstantController(self.strength)
         if self.profile is not None:

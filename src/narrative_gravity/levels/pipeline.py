@@ -198,7 +198,6 @@ def prepare(
 def _context_level(
     question: str, passages: Sequence[Passage], profile: Profile | None, tokenizer: Any, encoder: Any
 ) -> tuple[str, dict[str, Any]]:
-
     chunks = [{"id": p.id, "text": p.text} for p in passages]
     level = profile.context if profile is not None else None
     if level is None:
@@ -247,7 +246,6 @@ def _turns(messages: Sequence[Mapping[str, str]]) -> list[tuple[str, str | None]
 
 
 def _memory_level(earlier: Sequence[Mapping[str, str]], question: str, profile: Profile) -> dict[str, float]:
-
     level = profile.conversation
     memory = TopicMemory(decay=level.decay, max_words=level.max_words, answer_weight=level.answer_weight)
     for user, answer in _turns(earlier):
@@ -260,7 +258,6 @@ def _memory_level(earlier: Sequence[Mapping[str, str]], question: str, profile: 
 def _plan_level(
     question: str, profile: Profile, draft: Draft, encoder: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-
     level = profile.plan
     texts = draft([outline_prompt(question, level.sections)] * level.drafts, level.outline_tokens)
     scored = score_outlines(

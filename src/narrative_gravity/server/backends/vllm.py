@@ -111,7 +111,6 @@ class _EngineMetrics:
     """A ``prometheus_client`` collector that yields vLLM's own ``vllm:*`` metrics from its global registry."""
 
     def collect(self) -> Iterator[Any]:
-
         for metric in REGISTRY.collect():
             if metric.name.startswith("vllm:"):
                 yield metric
@@ -330,7 +329,6 @@ class VLLMBackend(TokenizerText):
     # ------------------------------------------------------------------------------------------- engine thread
 
     def _params(self, row: GenerationRow, rid: str | None = None) -> Any:
-
         s = row.options
         extra = None
         if row.gravity is not None:
@@ -397,7 +395,6 @@ class VLLMBackend(TokenizerText):
         return arrived
 
     def _admit(self, arrived: list[tuple[GenerationRow, EventCallback]], events: dict[EventCallback, list]) -> None:
-
         for row, on_events in arrived:
             rid = f"ngrav-{next(_IDS)}"
             if row.cancelled:
