@@ -56,7 +56,7 @@ def spawn_server(extra: list[str], *, env: dict[str, str] | None = None, timeout
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "narrative_gravity.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "narrative_gravity.cli.main", "serve", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen([*cmd, *extra], env=env if env is not None else dict(os.environ))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

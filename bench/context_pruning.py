@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.context import prune_context
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
+from narrative_gravity.levels.context import PruneSettings, prune_context
 from narrative_gravity.ragbench import build_cases, exact_match_rank, load_news_articles
 
 PROMPT = (
@@ -78,10 +78,9 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
                         budget,
                         tokenizer=tok,
                         encoder=enc,
-                        lexical_weight=1.0,
-                        cluster_margin=2.0,
-                        mmr_lambda=1.0,
-                        duplicate_threshold=1.0,
+                        settings=PruneSettings(
+                            lexical_weight=1.0, cluster_margin=2.0, mmr_lambda=1.0, duplicate_threshold=1.0
+                        ),
                     ).kept
                 },
                 "exact": _fill(exact_match_rank(c.question, texts), tokens, budget),
@@ -105,9 +104,11 @@ def retrieval(cases: list[Any], tok: Any, enc: Any, budgets: list[float]) -> lis
 def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, max_new_tokens: int) -> dict[str, Any]:
     import torch
 
-    from narrative_gravity.generation import SamplingOptions, encode_prompts, generate
+    from narrative_gravity.engines.hf_generate import generate
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.engines.prompts import encode_prompts
 
-    opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0)
+    opts = GenerationOptions(max_new_tokens=max_new_tokens, temperature=0.0, batch_size=1)
     prompts, prune_s = [], []
     for c in cases:
         texts = [p.text for p in c.passages]
@@ -119,7 +120,7 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
         pruned = PROMPT.format(context=res.context(), question=c.question)
         prompts.append((full, pruned))
     for p in prompts[0]:  # warm-up, one per arm
-        generate(model, tok, [p], options=opts, batch_size=1)
+        generate(model, tok, [p], opts)
     out: dict[str, list[Any]] = {"full": [], "pruned": []}
     prefill: dict[str, list[float]] = {"full": [], "pruned": []}
     for i, pair in enumerate(prompts):
@@ -130,7 +131,7 @@ def generation(cases: list[Any], model: Any, tok: Any, enc: Any, frac: float, ma
             with torch.inference_mode():
                 model(input_ids=ids)
             prefill[arm].append(time.perf_counter() - t0)
-            r = generate(model, tok, [prompt], options=opts, batch_size=1)[0]
+            r = generate(model, tok, [prompt], opts)[0]
             out[arm].append((r, ids.shape[1]))
     answers = {arm: [r.text for r, _ in rows] for arm, rows in out.items()}
     gold = enc([c.gold_text for c in cases])
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--encoder",
         choices=["minilm", "tokens"],
         default="minilm",
-        help="passage embeddings: MiniLM, or the token table of narrative_gravity.token_encoder",
+        help="passage embeddings: MiniLM, or the token table of narrative_gravity.levels.token_encoder",
     )
     args = ap.parse_args(argv)
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(cases)} cases (seed {args.seed}) built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     model, tok = load_model()
     if args.encoder == "tokens":
-        from narrative_gravity.token_encoder import token_encoder
+        from narrative_gravity.levels.token_encoder import token_encoder
 
         enc = token_encoder(tok)  # type: ignore[assignment]
     budgets = [float(b) for b in args.budgets.split(",")]

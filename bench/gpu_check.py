@@ -76,8 +76,8 @@ def _profiles() -> dict[str, dict[str, Any]]:
 def prepare(kit: Path) -> None:
     """Build the programs and save them with the tokenizer and the model config under ``kit``."""
     from narrative_gravity.models import hf_folder, load_tokenizer
-    from narrative_gravity.profile import Profile
-    from narrative_gravity.steer import controller_from_profile, program_from_profile
+    from narrative_gravity.profiles.build import controller_from_profile, program_from_profile
+    from narrative_gravity.profiles.schema import Profile
 
     kit.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer()

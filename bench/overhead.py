@@ -69,9 +69,10 @@ class Arm:
 def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
     from transformers import SequenceBiasLogitsProcessor
 
-    from narrative_gravity.baselines import ArticleGravityLogitsProcessor
+    from narrative_gravity.engines.baselines import ArticleGravityLogitsProcessor
+    from narrative_gravity.engines.hf import processor_from_profile
     from narrative_gravity.gravity.thermo import Trace
-    from narrative_gravity.steer import field_from_profile, processor_from_profile
+    from narrative_gravity.profiles.build import field_from_profile
 
     field_from_profile(profile, tok)  # build (and cache) the field once, outside every timing
 
@@ -226,7 +227,7 @@ def breakdown(
     the kernel's ``advance`` (history, said-set, stages) and its ``apply`` (field, schedule, tilt), the NaN
     check (from the thermostat's softmax where it ran, else one sum per row), and ``apply`` with the
     thermometer on."""
-    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.engines.hf import processor_from_profile
 
     proc = processor_from_profile(profile, tok, max_new_tokens=new_tokens)
     vocab = len(tok)
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from narrative_gravity.models import load_model
-    from narrative_gravity.profile import load_profile
+    from narrative_gravity.profiles.schema import load_profile
 
     console = Console(width=max(Console().width, 150))
 

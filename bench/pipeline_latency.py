@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_json
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
 from narrative_gravity.ragbench import build_cases, load_news_articles
 from narrative_gravity.text import content_words
 
@@ -58,9 +58,9 @@ def start_server(engine: str, max_tokens: int) -> tuple[Any, str, str]:
 
     import uvicorn
 
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app, make_backend
-    from narrative_gravity.server.app import uvicorn_config
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.server.connections import uvicorn_config
 
     config = ServerConfig(batch_window_ms=5, max_tokens_limit=max_tokens, max_prompt_tokens=4096)
     options = {"max_num_seqs": 4, "max_model_len": 4096} if engine == "vllm" else {}

@@ -8,7 +8,7 @@ For every topic prompt and seed, on SmolLM2-135M-Instruct (sampling: temperature
 - ``best-of-4, picked by the prompt``: the same four samples, but the one kept is the one a deployed best-of-4
   could pick: the highest MiniLM cosine to the *prompt* (the topic sentence is the evaluation's, unseen). The
   plan's openings pick with the same scorer.
-- ``plan``: :func:`narrative_gravity.plan.plan_then_write` with its defaults: ``--drafts`` (2) outline drafts
+- ``plan``: :func:`narrative_gravity.levels.write.plan_then_write` with its defaults: ``--drafts`` (2) outline drafts
   of at most ``--outline-tokens`` (28) tokens in one batch, the best by fit and coherence kept; then
   ``--openings`` (3) openings of ``--opening-tokens`` (24) tokens sampled in one batch under the staged field,
   the one closest to the prompt kept and continued to ``--new-tokens`` tokens in all. The outline is written
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
 
 TOPICS = [
     ("Write a short article about the history of the telescope.", "the history of the telescope and astronomy"),
@@ -150,18 +150,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from narrative_gravity.embeddings import encode
-    from narrative_gravity.generation import SamplingOptions, generate
+    from narrative_gravity.engines.hf_generate import generate
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.levels.write import PLAN_OPTIONS, PlanSettings, plan_then_write
     from narrative_gravity.models import load_model
-    from narrative_gravity.plan import plan_then_write
 
     model, tok = load_model()
     rows: list[dict[str, Any]] = []
     for (prompt, topic), seed in itertools.product(
         TOPICS[args.first_topic : args.first_topic + args.topics], range(args.seeds)
     ):
-        opts = SamplingOptions(max_new_tokens=args.new_tokens, top_k=10, temperature=1.0, seed=seed)
+        opts = GenerationOptions(max_new_tokens=args.new_tokens, top_k=10, temperature=1.0, seed=seed, batch_size=4)
         t0 = time.perf_counter()
-        samples = generate(model, tok, [prompt] * 4, options=opts, batch_size=4)
+        samples = generate(model, tok, [prompt] * 4, opts)
         best_s = time.perf_counter() - t0
         rel = _rel(encode, [s.text for s in samples], topic)
         fit = _rel(encode, [s.text for s in samples], prompt)  # what a deployed best-of-4 can see
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "best_k": {k: float(np.mean([max(c) for c in itertools.combinations(rel, k)])) for k in range(1, 5)},
             "sample_tokens": statistics.mean(s.new_tokens for s in samples),
         }
-        common = {"outline_tokens": args.outline_tokens, "max_new_tokens": args.new_tokens, "seed": seed}
+        common = {"outline_tokens": args.outline_tokens}
+        options = PLAN_OPTIONS.replace(max_new_tokens=args.new_tokens, seed=seed)
         main_plan = {"n_drafts": args.drafts, "openings": args.openings, "opening_tokens": args.opening_tokens}
         one_text = {"n_drafts": 4, "openings": 1}
         arms: list[tuple[str, dict[str, Any]]] = []
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.ablation:
             arms += [("plan, no pull", {**main_plan, "strength": 0.0, "include_outline": True})]
         for name, kwargs in arms:
-            res = plan_then_write(model, tok, prompt, encoder=encode, **common, **kwargs)
+            settings = PlanSettings(**common, **kwargs)
+            res = plan_then_write(model, tok, prompt, settings=settings, options=options, encoder=encode)
             row[name] = {
                 "relevance": _rel(encode, [res.text], topic)[0],
                 "tokens": res.generated_tokens,

@@ -2,7 +2,7 @@
 
 Best-of-4 is the expensive part of ``bench/plan_pruning.py`` and its samples do not change with the plan's
 settings, so a tuning round reuses them: each arm (keyword arguments of
-:func:`narrative_gravity.plan.plan_then_write`) is run on the given topics and seeds, and its relevance is
+:func:`narrative_gravity.levels.write.plan_then_write`) is run on the given topics and seeds, and its relevance is
 paired with the saved run's oracle best-of-4 for the same prompt and seed.
 
 Run (the arms of docs/pruning.md's tuning table)::
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from common import machine, write_json
-from narrative_gravity.metrics import mean_ci
+from narrative_gravity.eval.text_metrics import mean_ci
 from plan_pruning import TOPICS, _rel
 
 
@@ -31,7 +31,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arms", required=True, help="JSON file: {name: plan_then_write keyword arguments}")
+    ap.add_argument("--arms", required=True, help="JSON file: {name: PlanSettings keyword arguments}")
     ap.add_argument("--topics", type=_ints, default=[0, 1, 2, 3], help="comma-separated topic indices")
     ap.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="comma-separated seeds")
     ap.add_argument("--reference", default="bench/results/plan_pruning.json", help="a saved plan_pruning run")
@@ -50,17 +50,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from narrative_gravity.embeddings import encode
+    from narrative_gravity.levels.write import PLAN_OPTIONS, PlanSettings, plan_then_write
     from narrative_gravity.models import load_model
-    from narrative_gravity.plan import plan_then_write
 
     model, tok = load_model()
     rows: list[dict[str, Any]] = []
     for (prompt, topic), seed in pairs:
         row: dict[str, Any] = {"prompt": prompt, "seed": seed, "best4": ref[(prompt, seed)]}
         for name, kwargs in arms.items():
-            res = plan_then_write(
-                model, tok, prompt, max_new_tokens=args.new_tokens, seed=seed, encoder=encode, **kwargs
-            )
+            options = PLAN_OPTIONS.replace(max_new_tokens=args.new_tokens, seed=seed)
+            res = plan_then_write(model, tok, prompt, settings=PlanSettings(**kwargs), options=options, encoder=encode)
             row[name] = {"relevance": _rel(encode, [res.text], topic)[0], "tokens": res.generated_tokens}
             row[name]["text"] = res.text
         rows.append(row)

@@ -60,7 +60,7 @@ class Server:
     def __init__(self, app: Any, config: Any) -> None:
         import uvicorn
 
-        from narrative_gravity.server.app import uvicorn_config
+        from narrative_gravity.server.connections import uvicorn_config
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -120,8 +120,8 @@ async def send_all(url: str, args: argparse.Namespace) -> tuple[list[float], flo
 
 
 def run(backend: Any, args: argparse.Namespace, shadow: float) -> dict[str, Any]:
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = ProfileStore(tmp)
@@ -134,7 +134,7 @@ def run(backend: Any, args: argparse.Namespace, shadow: float) -> dict[str, Any]
         try:
             latencies, wall = asyncio.run(send_all(server.url, args))
             t0 = time.perf_counter()
-            while app.state.followups.in_flight:  # shadows still running after the last answer
+            while app.state.server.followups.in_flight:  # shadows still running after the last answer
                 time.sleep(0.05)
             drained = wall + time.perf_counter() - t0
             text = httpx.get(server.url + "/metrics", trust_env=False).text
@@ -185,7 +185,7 @@ def main() -> None:
 
     import torch
 
-    from narrative_gravity.rollout import RolloutConfig, route, route_key
+    from narrative_gravity.profiles.rollout import RolloutConfig, route, route_key
     from narrative_gravity.server import HFBackend
 
     backend = HFBackend.load(args.model)

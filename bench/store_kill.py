@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from narrative_gravity.store import ProfileStore
+from narrative_gravity.profiles.store import ProfileStore
 
 NAME = "kill-loop"
 

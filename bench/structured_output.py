@@ -226,10 +226,11 @@ def step_cost(batch: int = 8, steps: int = 48, repeats: int = 3) -> dict[str, An
     ``response_format``."""
     import torch
 
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.profiles.schema import Profile
     from narrative_gravity.server import HFBackend
     from narrative_gravity.server import grammar as grammar_module
-    from narrative_gravity.server.backend import ResolvedGravity, Sampling
+    from narrative_gravity.server.backends.base import ResolvedGravity
     from narrative_gravity.server.scheduler import Job
     from narrative_gravity.server.structured import ResponseFormat
 
@@ -261,8 +262,7 @@ def step_cost(batch: int = 8, steps: int = 48, repeats: int = 3) -> dict[str, An
                 for k in range(batch):
                     job.add(
                         prompt_ids=ids,
-                        max_tokens=steps,
-                        sampling=Sampling(1.0, top_k=10, seed=100 * r + k),
+                        options=GenerationOptions(max_new_tokens=steps, top_k=10, seed=100 * r + k),
                         gravity=gravity,
                         response_format=fmt if arm == "with_schema" else None,
                     )

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from narrative_gravity.profile import load_profile
+    from narrative_gravity.profiles.schema import load_profile
 
     profile = load_profile(args.profile).model_dump(mode="json", exclude_none=True)
     # Before the engine: vLLM's CPU worker pins its threads, and --micro measures the processor alone.

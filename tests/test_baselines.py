@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from narrative_gravity.baselines import (
+from narrative_gravity.engines.baselines import (
     ArticleGravityLogitsProcessor,
     WeightedDecodingLogitsProcessor,
     single_token_forms,

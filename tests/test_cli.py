@@ -8,7 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import _read_prompts, app
+from narrative_gravity.cli.common import read_prompts
+from narrative_gravity.cli.main import app
 
 runner = CliRunner()
 
@@ -62,7 +63,7 @@ def test_bad_profile_is_reported_with_the_key(tmp_path):
 def test_txt_prompts_skip_blank_lines(tmp_path):
     p = tmp_path / "p.txt"
     p.write_text("one\n\n two \n")
-    assert _read_prompts(p) == ["one", " two "]
+    assert read_prompts(p) == ["one", " two "]
 
 
 def test_negative_max_new_tokens_is_rejected(tmp_path):
@@ -214,7 +215,7 @@ def test_generate_writes_each_batch_as_it_finishes(tiny_folder, tmp_path):
     total = 400
     prompts.write_text("".join(f"The planet {i}\n" for i in range(total)))
     out = tmp_path / "o.jsonl"
-    cmd = [sys.executable, "-m", "narrative_gravity.cli", "generate", "--prompts", str(prompts), "--no-gravity"]
+    cmd = [sys.executable, "-m", "narrative_gravity.cli.main", "generate", "--prompts", str(prompts), "--no-gravity"]
     cmd += ["--output", str(out), "--model", str(tiny_folder), "--batch-size", "1", "--max-new-tokens", "4", "--raw"]
     # a shell that starts the tests in the background hands its children SIGINT ignored; undo that
     proc = subprocess.Popen(

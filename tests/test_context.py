@@ -9,20 +9,20 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import app
-from narrative_gravity.context import (
-    BM25,
-    cluster_embeddings,
+from narrative_gravity.cli.main import app
+from narrative_gravity.errors import ConfigurationError
+from narrative_gravity.levels.context import (
+    PruneSettings,
     content_words,
     count_tokens,
-    hashing_encoder,
     prune_context,
     result_table,
     stem,
 )
-from narrative_gravity.errors import ConfigurationError
-from narrative_gravity.profile import Profile
+from narrative_gravity.levels.ranking import BM25, cluster_embeddings, hashing_encoder
+from narrative_gravity.profiles.schema import Profile
 from narrative_gravity.ragbench import (
+    CaseShape,
     Document,
     build_cases,
     exact_match_rank,
@@ -110,7 +110,9 @@ def test_off_narrative_cluster_is_dropped_with_its_reason():
     assert set(dropped) == set(COOKING)
     assert all("off-narrative cluster" in r for r in dropped.values())
     # with cluster pruning switched off, the cooking chunks survive (no budget, no min_score)
-    res = prune_context("What is the orbit of a planet?", PLANETS + COOKING, encoder=ENC, cluster_margin=2.0)
+    res = prune_context(
+        "What is the orbit of a planet?", PLANETS + COOKING, encoder=ENC, settings=PruneSettings(cluster_margin=2.0)
+    )
     assert len(res.kept) == 5
 
 
@@ -119,7 +121,14 @@ def test_budget_is_respected_and_counted_with_the_tokenizer(tiny_tokenizer):
     tokens = count_tokens(chunks, tiny_tokenizer)
     assert tokens == [len(tiny_tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks]
     budget = tokens[0] + tokens[1]
-    res = prune_context("orbit of a planet", chunks, budget, tokenizer=tiny_tokenizer, encoder=ENC, cluster_margin=2.0)
+    res = prune_context(
+        "orbit of a planet",
+        chunks,
+        budget,
+        tokenizer=tiny_tokenizer,
+        encoder=ENC,
+        settings=PruneSettings(cluster_margin=2.0),
+    )
     assert res.tokens_kept <= budget
     assert res.tokens_total == sum(tokens)
     assert res.tokens_saved == sum(tokens) - res.tokens_kept
@@ -138,8 +147,8 @@ def test_near_duplicates_are_dropped():
 def test_mmr_prefers_a_new_chunk_over_a_redundant_one():
     q = "planet orbit telescope"
     chunks = ["planet orbit telescope sun", "planet orbit telescope moon", "telescope mirror lens glass"]
-    only_rel = prune_context(q, chunks, 8, encoder=ENC, mmr_lambda=1.0, cluster_margin=2.0)
-    diverse = prune_context(q, chunks, 8, encoder=ENC, mmr_lambda=0.3, cluster_margin=2.0)
+    only_rel = prune_context(q, chunks, 8, encoder=ENC, settings=PruneSettings(mmr_lambda=1.0, cluster_margin=2.0))
+    diverse = prune_context(q, chunks, 8, encoder=ENC, settings=PruneSettings(mmr_lambda=0.3, cluster_margin=2.0))
     assert {d.index for d in only_rel.kept} == {0, 1}
     assert {d.index for d in diverse.kept} == {0, 2}
 
@@ -156,7 +165,9 @@ def test_profile_narrative_changes_the_scores():
 
 def test_min_score_and_original_order():
     chunks = [COOKING[0], PLANETS[0], PLANETS[1]]
-    res = prune_context("planet orbit sun", chunks, encoder=ENC, min_score=0.1, cluster_margin=2.0)
+    res = prune_context(
+        "planet orbit sun", chunks, encoder=ENC, settings=PruneSettings(min_score=0.1, cluster_margin=2.0)
+    )
     assert "below min_score" in res.decisions[0].reason
     assert res.context() == PLANETS[0] + "\n\n" + PLANETS[1]
 
@@ -179,14 +190,20 @@ def test_empty_chunks_give_an_empty_result():
         ({"budget_tokens": -1}, "budget_tokens"),
         ({"chunks": "one string"}, "not one string"),
         ({"chunks": [3]}, "chunk 0"),
-        ({"lexical_weight": 1.5}, "lexical_weight"),
-        ({"mmr_lambda": float("nan")}, "mmr_lambda"),
     ],
 )
 def test_bad_arguments_name_the_value(kwargs, message):
     args = {"question": "planet", "chunks": PLANETS, "encoder": ENC, **kwargs}
     with pytest.raises(ConfigurationError, match=message):
         prune_context(args.pop("question"), args.pop("chunks"), **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"lexical_weight": 1.5}, "lexical_weight"), ({"mmr_lambda": float("nan")}, "mmr_lambda")]
+)
+def test_bad_settings_name_the_value(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        PruneSettings(**kwargs)
 
 
 def test_result_table_lists_kept_then_dropped():
@@ -263,16 +280,21 @@ def _docs() -> list[Document]:
     return docs
 
 
+SHAPE = CaseShape(passage_words=30, random_passages=2, nearby_docs=1)
+
+
 def test_build_cases_is_deterministic_per_seed():
-    a = build_cases(_docs(), n_cases=4, seed=3, passage_words=30, random_passages=2, nearby_docs=1)
-    b = build_cases(_docs(), n_cases=4, seed=3, passage_words=30, random_passages=2, nearby_docs=1)
-    c = build_cases(_docs(), n_cases=4, seed=4, passage_words=30, random_passages=2, nearby_docs=1)
+    a = build_cases(_docs(), n_cases=4, seed=3, shape=SHAPE)
+    b = build_cases(_docs(), n_cases=4, seed=3, shape=SHAPE)
+    c = build_cases(_docs(), n_cases=4, seed=4, shape=SHAPE)
     assert a and [x.to_json() for x in a] == [x.to_json() for x in b]
     assert [x.to_json() for x in a] != [x.to_json() for x in c]
 
 
 def test_cases_have_gold_from_one_document_and_distractors_from_others():
-    cases = build_cases(_docs(), n_cases=3, seed=0, passage_words=30, gold_passages=2, random_passages=2)
+    cases = build_cases(
+        _docs(), n_cases=3, seed=0, shape=CaseShape(passage_words=30, gold_passages=2, random_passages=2)
+    )
     for case in cases:
         gold = [p for p in case.passages if p.gold]
         assert len(gold) == 2 and {p.doc_id for p in gold} == {case.doc_id}
@@ -311,7 +333,7 @@ def test_helpers():
 @pytest.mark.slow
 def test_minilm_pruning_keeps_the_topic_and_drops_the_other_one():
     pytest.importorskip("transformers")
-    from narrative_gravity.fields.semantic import minilm_folder
+    from narrative_gravity.fields.minilm import minilm_folder
 
     try:
         minilm_folder()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import app
+from narrative_gravity.cli.main import app
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.eval import (
     METRICS,
@@ -420,7 +420,7 @@ def test_the_topic_profile_file_holds_the_auto_defaults():
     from pathlib import Path
 
     from narrative_gravity.eval.runner import AUTO_DEFAULTS
-    from narrative_gravity.profile import Profile, load_profile
+    from narrative_gravity.profiles.schema import Profile, load_profile
 
     path = Path(__file__).resolve().parents[1] / "profiles" / "topic.yaml"
     if not path.exists():
@@ -512,7 +512,7 @@ def test_cli_run_killed_with_sigkill_resumes_every_generation_exactly_once(tiny_
     prompts = _write(tmp_path / "p.txt", "".join(f"The planet {i}\n" for i in range(n_prompts)))
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "narrative_gravity.cli", "eval", "--prompts", str(prompts), "--profile", str(space_profile),
+        sys.executable, "-m", "narrative_gravity.cli.main", "eval", "--prompts", str(prompts), "--profile", str(space_profile),
         "--model", str(model_dir), "--raw", "--seeds", "0,1", "--max-new-tokens", "6", "--batch-size", "2",
         "--judge", "none", "--metrics", CHEAP, "--out", str(out),
     ]  # fmt: skip

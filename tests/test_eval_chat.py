@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from narrative_gravity.engines.prompts import encode_prompts
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.eval import EvalSettings, MetricContext, ResultStore, Sample, compute_metrics, run_eval
 from narrative_gravity.eval.chat import CHAT_REQUESTS, chat_prompts
 from narrative_gravity.eval.prompts import limit_prompts, load_prompts
 from narrative_gravity.eval.runner import _Guidance, _Runner, check_engine_arms, make_plan
-from narrative_gravity.generation import encode_prompts
 from narrative_gravity.lead import lead_messages
 from servers import with_chat_template
 
@@ -59,7 +59,7 @@ def test_chat_sets_rotate_the_requests_so_a_limited_run_uses_them_evenly():
 
 
 def _topic_prompts(n: int):
-    from narrative_gravity.eval.prompts import EvalPrompt
+    from narrative_gravity.eval.topics import EvalPrompt
 
     return [EvalPrompt(i, "In summary", f"topic{i}", (f"w{i}",), (f"h{i}",)) for i in range(n)]
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from narrative_gravity.compare import compare_runs, summarize
-from narrative_gravity.generation import SamplingOptions, generate
+from narrative_gravity.engines.hf import processor_from_profile
+from narrative_gravity.engines.hf_generate import generate
+from narrative_gravity.engines.options import GenerationOptions
 from narrative_gravity.gravity.thermo import Trace
 from narrative_gravity.models import load_model, resolve_cache_dir
-from narrative_gravity.profile import Profile, load_profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile
+from narrative_gravity.profiles.schema import Profile, load_profile
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +44,29 @@ def test_default_model_is_cached_as_safetensors(smollm2):
 def test_greedy_results_do_not_depend_on_batch_size(smollm2, profile):
     model, tok = smollm2
     prompts = ["Explain recursion.", "Binary search needs a sorted array because", "Name three sorting algorithms."]
-    opts = SamplingOptions(max_new_tokens=24, temperature=0)
+    opts = GenerationOptions(max_new_tokens=24, temperature=0)
 
     def factory(budget, trace):
         return processor_from_profile(profile, tok, max_new_tokens=budget, trace=trace)
 
-    one = generate(model, tok, prompts, options=opts, processor_factory=factory, batch_size=1)
-    three = generate(model, tok, prompts, options=opts, processor_factory=factory, batch_size=3)
+    one = generate(model, tok, prompts, opts.replace(batch_size=1), processor_factory=factory)
+    three = generate(model, tok, prompts, opts.replace(batch_size=3), processor_factory=factory)
     assert [r.text for r in one] == [r.text for r in three]
     assert all(r.new_tokens > 0 for r in three)
 
 
 def test_measure_only_control_is_plain_decoding(smollm2, profile):
     model, tok = smollm2
-    opts = SamplingOptions(max_new_tokens=20, temperature=1.0, top_k=10, seed=3)
-    plain = generate(model, tok, [PROMPT], options=opts)
+    opts = GenerationOptions(max_new_tokens=20, temperature=1.0, top_k=10, seed=3)
+    plain = generate(model, tok, [PROMPT], opts)
     measured = generate(
         model,
         tok,
         [PROMPT],
-        options=opts,
+        opts.replace(trace=True),
         processor_factory=lambda b, t: processor_from_profile(
             profile, tok, max_new_tokens=b, trace=t, measure_only=True
         ),
-        record_trace=True,
     )
     assert plain[0].token_ids == measured[0].token_ids
     assert measured[0].trace_means["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -74,7 +75,7 @@ def test_measure_only_control_is_plain_decoding(smollm2, profile):
 
 def test_gravity_raises_the_narrative_token_rate(smollm2, profile):
     model, tok = smollm2
-    rows = compare_runs(model, tok, profile, PROMPT, seeds=3, max_new_tokens=32)
+    rows = compare_runs(model, tok, profile, PROMPT, GenerationOptions(max_new_tokens=32), seeds=3)
     summary = summarize(rows)
     diff = summary["narrative_rate"]["difference"][0]
     assert diff > 0, summary["narrative_rate"]
@@ -86,10 +87,10 @@ def test_penalized_word_is_pushed_away(smollm2):
     model, tok = smollm2
     prompt = "My favourite evening out is dinner at a"
     prof = Profile(core_semantics=["park"], penalize=["restaurant"], gravity_strength=6.0, schedule="constant")
-    opts = SamplingOptions(max_new_tokens=12, temperature=0)
-    plain = generate(model, tok, [prompt], options=opts, raw=True)[0]
+    opts = GenerationOptions(max_new_tokens=12, temperature=0, raw=True)
+    plain = generate(model, tok, [prompt], opts)[0]
     pulled = generate(
-        model, tok, [prompt], options=opts, raw=True,
+        model, tok, [prompt], opts,
         processor_factory=lambda b, t: processor_from_profile(prof, tok, max_new_tokens=b, trace=t),
     )[0]  # fmt: skip
     assert "restaurant" in plain.text.lower()
@@ -118,7 +119,7 @@ def test_trace_records_every_step(smollm2, profile):
 def test_cli_generate_writes_jsonl(smollm2, tmp_path):
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Explain binary search."}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
@@ -137,7 +138,7 @@ def test_cli_generate_writes_jsonl(smollm2, tmp_path):
 def test_cli_compare_prints_table_and_plot(smollm2, tmp_path):
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     plot, js = tmp_path / "t.png", tmp_path / "c.json"
     args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "2", "--max-new-tokens", "12",

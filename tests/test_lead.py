@@ -7,8 +7,10 @@ import time
 
 import pytest
 
+from narrative_gravity.engines.hf_generate import generate, sample_ids
+from narrative_gravity.engines.options import GenerationOptions
+from narrative_gravity.engines.prompts import encode_prompts
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.generation import SamplingOptions, encode_prompts, generate, sample_ids
 from narrative_gravity.lead import (
     central_words,
     join_words,
@@ -17,7 +19,7 @@ from narrative_gravity.lead import (
     lead_text,
     reading_profile,
 )
-from narrative_gravity.profile import Profile
+from narrative_gravity.profiles.schema import Profile
 
 SPACE = ["planet", "orbit", "galaxy", "telescope", "astronaut", "banana"]
 
@@ -141,12 +143,12 @@ def test_encoded_prompts_carry_the_sentence_per_prompt(tiny_model) -> None:
 
 def test_generate_reads_the_sentence_and_returns_only_the_continuation(tiny_model) -> None:
     model, tok = tiny_model
-    opts = SamplingOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=3)
+    opts = GenerationOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=3)
     sentence = "They said orbit again."
-    (res,) = generate(model, tok, ["The crew"], options=opts, raw=True, lead=sentence)
+    (res,) = generate(model, tok, ["The crew"], opts.replace(raw=True), lead=sentence)
     (same,) = sample_ids(model, tok, [tok(f"{sentence} The crew")["input_ids"]], opts)
     assert res.token_ids == same and res.prompt == "The crew"
-    (plain,) = generate(model, tok, ["The crew"], options=opts, raw=True)
+    (plain,) = generate(model, tok, ["The crew"], opts.replace(raw=True))
     assert plain.token_ids == sample_ids(model, tok, [tok("The crew")["input_ids"]], opts)[0]
 
 
@@ -168,7 +170,7 @@ def test_an_eval_arm_with_a_lead_reads_it_and_control_does_not(tiny_model, tmp_p
     )  # fmt: skip
     run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
     rows = {(r["profile"], r["prompt"]): r for r in ResultStore(tmp_path / "run" / "results.jsonl").load()}
-    opts = SamplingOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=0)
+    opts = GenerationOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=0)
     for text in ("The crew", "Our galaxy"):
         led, control = rows[("lead", text)], rows[("control", text)]
         assert led["lead"] == "They said planet and orbit again." and "lead" not in control
@@ -215,8 +217,8 @@ def test_the_sentence_can_name_the_required_words_per_prompt(tiny_model, tmp_pat
 
 def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny_backend, tmp_path) -> None:
     pytest.importorskip("fastapi")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
     from servers import RunningServer
 
     store = ProfileStore(tmp_path / "store")
@@ -272,8 +274,8 @@ def test_the_server_reads_the_sentence_says_so_and_keeps_it_from_plain_runs(tiny
 
 
 def test_the_server_pulls_a_topic_default_as_read_and_measures_it_plain(tmp_path) -> None:
-    from narrative_gravity.server.gravity import GravityResolver
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.profiles.store import ProfileStore
+    from narrative_gravity.server.resolver import GravityResolver
 
     resolver = GravityResolver(ProfileStore(tmp_path / "store"))
     served = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=False)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from narrative_gravity.engines.options import GenerationOptions
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
-from narrative_gravity.memory import Conversation, TopicMemory, merge_fields, weighted_lexical_field
+from narrative_gravity.levels.memory import Conversation, TopicMemory, merge_fields, weighted_lexical_field
 
 TURNS = [
     "Tell me about the planet and its orbit.",
@@ -85,7 +86,9 @@ def test_merge_fields_max_and_negative_wins():
 
 def test_conversation_three_turns_on_a_tiny_model(tiny_model):
     model, tok = tiny_model
-    conv = Conversation(model, tok, max_new_tokens=6, memory=TopicMemory(decay=0.5))
+    conv = Conversation(
+        model, tok, options=GenerationOptions(max_new_tokens=6, temperature=0), memory=TopicMemory(decay=0.5)
+    )
     answers = [conv.say(t) for t in TURNS]
     assert all(isinstance(a, str) for a in answers)
     assert len(conv.history) == 6 and conv.memory.turns == 3
@@ -99,11 +102,11 @@ def test_conversation_three_turns_on_a_tiny_model(tiny_model):
 
 
 def test_conversation_with_a_profile_keeps_its_penalties(tiny_model):
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     model, tok = tiny_model
     prof = Profile(core_semantics=["orbit"], penalize=["comet"], schedule="constant")
-    conv = Conversation(model, tok, profile=prof, max_new_tokens=4)
+    conv = Conversation(model, tok, profile=prof, options=GenerationOptions(max_new_tokens=4, temperature=0))
     conv.say("the comet and the planet")
     comet = surface_forms(tok, "comet")[0]
     assert len(comet) > 1 or conv.last_field.values[comet[0]] == -1.0
@@ -116,7 +119,7 @@ def test_real_model_three_turn_conversation():
     from narrative_gravity.models import load_model
 
     model, tok = load_model()
-    conv = Conversation(model, tok, max_new_tokens=40)
+    conv = Conversation(model, tok, options=GenerationOptions(max_new_tokens=40, temperature=0))
     turns = ["What is the orbit of Mars like?", "How long is a year there?", "Could people live there one day?"]
     answers = [conv.say(t) for t in turns]
     assert all(a.strip() for a in answers)

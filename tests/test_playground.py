@@ -28,10 +28,10 @@ httpx = pytest.importorskip("httpx")
 
 import yaml  # noqa: E402
 
-from narrative_gravity.profile import Profile  # noqa: E402
+from narrative_gravity.profiles.schema import Profile  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.playground import topic_profile  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
+from narrative_gravity.server.routes.playground import topic_profile  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_page_is_open_and_does_no_model_work(tiny_backend: HFBackend, tmp_path: 
     running = RunningServer(create_app(tiny_backend, config=config, store=ProfileStore(tmp_path)))
     try:
         with running.http() as http:
-            before = running.app.state.metrics.batches
+            before = running.app.state.server.metrics.batches
             page = http.get("/")
             assert page.status_code == 200 and "text/html" in page.headers["content-type"]
             for name in ("app.js", "app.css"):
@@ -170,7 +170,7 @@ def test_page_is_open_and_does_no_model_work(tiny_backend: HFBackend, tmp_path: 
             key = {"Authorization": "Bearer s3cret"}
             cfg = http.get("/v1/playground", headers=key).json()
             assert cfg["model"] == MODEL and cfg["engine"] == "hf" and cfg["token_stats"] and cfg["chat"]
-            assert running.app.state.metrics.batches == before  # opening the page ran nothing
+            assert running.app.state.server.metrics.batches == before  # opening the page ran nothing
     finally:
         running.close()
 
@@ -255,10 +255,10 @@ def test_page_shows_invalid_profiles_and_stops_runs(server: RunningServer) -> No
         driver.find_element(*by("#save")).click()
         wait_for(driver, lambda d: "not saved" in d.find_element(*by("#store-status")).text)
         assert http.get("/v1/profiles/broken/history").status_code == 404  # nothing stored
-        batches = server.app.state.metrics.batches
+        batches = server.app.state.server.metrics.batches
         driver.find_element(*by("#run-button")).click()
         wait_for(driver, lambda d: d.find_element(*by("#run-status")).get_attribute("data-state") == "invalid")
-        assert server.app.state.metrics.batches == batches  # nothing ran
+        assert server.app.state.server.metrics.batches == batches  # nothing ran
 
         # a valid profile, a long run, stopped half-way: the server drops both rows
         set_value(driver, "[data-path='thermostat.explore_target']", "0.3")
@@ -333,7 +333,7 @@ def ngrav_serve(store: Path) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-c", "from narrative_gravity.cli import main; main()", "serve"]
+    cmd = [sys.executable, "-c", "from narrative_gravity.cli.main import main; main()", "serve"]
     cmd += ["--port", str(port), "--store", str(store), "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log = store.parent / "serve.log"

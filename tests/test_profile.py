@@ -1,4 +1,4 @@
-"""Tests for narrative_gravity.profile: Profile validation and load_profile (JSON / YAML)."""
+"""Tests for narrative_gravity.profiles.schema: Profile validation and load_profile (JSON / YAML)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
 from narrative_gravity.gravity.controllers import PhaseScheduleController
-from narrative_gravity.profile import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
+from narrative_gravity.profiles.build import phase_args, thermostat_args
+from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
 
 CLASSIC = {
     "task_type": "code_generation",
@@ -44,13 +45,13 @@ def test_classic_mapping_loads_exactly() -> None:
     # everything not given: the topic default (TOPIC_DEFAULTS), λ_max proportional to the strength
     assert p.schedule == "thermostat" and p.prune_threshold is None and p.decay_half_life == 25.0
     assert p.field == FieldOptions(mode="semantic", repeat_weight=0.0, semantic_source="minilm")
-    assert p.thermostat_kwargs()["max_strength"] == pytest.approx(1.2 * 4.25 / 1.5)
+    assert thermostat_args(p)["max_strength"] == pytest.approx(1.2 * 4.25 / 1.5)
     topic = TOPIC_DEFAULTS["thermostat"]
     assert {k: getattr(p.thermostat, k) for k in topic if k != "max_strength"} == {
         k: v for k, v in topic.items() if k != "max_strength"
     }
     # the default strength gives the topic default's λ_max exactly
-    assert Profile.from_mapping({"core_semantics": ["x"]}).thermostat_kwargs()["max_strength"] == pytest.approx(
+    assert thermostat_args(Profile.from_mapping({"core_semantics": ["x"]}))["max_strength"] == pytest.approx(
         topic["max_strength"]
     )
 
@@ -130,7 +131,7 @@ def test_compounds_split_like_profiles(word: str, parts: list[str]) -> None:
 
 def test_controller_kwargs_build_a_schedule() -> None:
     p = Profile.from_mapping({**CLASSIC, "phases": {"explore": 0.25}, "decay_half_life": 10})
-    kw = p.controller_kwargs()
+    kw = phase_args(p)
     assert kw["decay_after_steps"] == 50 and kw["decay_half_life"] == 10.0 and kw["explore"] == 0.25
     sched = PhaseScheduleController(p.gravity_strength, **kw)
     assert sched.scale(0, 100) == 0.25

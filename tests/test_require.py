@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import FieldError, ProfileError
 from narrative_gravity.fields.required import build_requirement, token_tables
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program
 from narrative_gravity.gravity.controllers import ConstantController
 from narrative_gravity.gravity.require import Requirement, RequireTables, advance_required, pull_required
-from narrative_gravity.profile import Profile
-from narrative_gravity.steer import processor_from_profile
+from narrative_gravity.profiles.schema import Profile
 
 V = 30
 
@@ -301,8 +301,8 @@ def test_the_server_serves_required_words_beside_other_requests(tiny_backend: An
 
     import httpx
 
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.store import ProfileStore
     from servers import RunningServer
 
     words = ["galaxy", "telescope"]

@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from narrative_gravity.armlog import ArmLog
-from narrative_gravity.cli import app
+from narrative_gravity.cli.main import app
 from narrative_gravity.errors import StoreError
-from narrative_gravity.promote import Limit, check_limit
-from narrative_gravity.rollout import (
+from narrative_gravity.eval.promote import Limit, check_limit
+from narrative_gravity.eval.rollout_report import build_report, render_report
+from narrative_gravity.profiles.armlog import ArmLog
+from narrative_gravity.profiles.rollout import (
     ARMS,
     LIVE,
     PINNED,
@@ -29,8 +30,7 @@ from narrative_gravity.rollout import (
     route,
     route_key,
 )
-from narrative_gravity.rollout_report import build_report, render_report
-from narrative_gravity.store import ProfileStore, StoreDamagedError
+from narrative_gravity.profiles.store import ProfileStore, StoreDamagedError
 
 BASE = {"core_semantics": ["orbit", "planet"], "gravity_strength": 1.2, "schedule": "constant"}
 FORK = multiprocessing.get_context("fork")

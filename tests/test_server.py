@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from narrative_gravity.errors import ConfigurationError  # noqa: E402
 from narrative_gravity.fields import NarrativeField  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app, make_backend  # noqa: E402
-from narrative_gravity.server.hf import GroupedGravityLogitsProcessor  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
+from narrative_gravity.server.backends.hf import GroupedGravityLogitsProcessor  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
@@ -320,7 +320,7 @@ def test_decoding_keeps_the_intra_op_threads_and_side_work_gets_one(
 def test_vllm_engine_without_vllm_names_the_fix(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here; tests/test_vllm.py serves with it")

@@ -21,8 +21,8 @@ httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 MODEL = "tiny"

@@ -19,9 +19,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from narrative_gravity.errors import ConfigurationError  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.backend import RowStats, TokenCallback  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
+from narrative_gravity.server.backends.base import RowStats, TokenCallback  # noqa: E402
 from servers import RunningServer, with_chat_template  # noqa: E402
 
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
@@ -193,7 +193,7 @@ def test_limits_on_what_a_request_may_build(server: RunningServer) -> None:
 
 def test_semantic_field_disk_cache_is_bounded(tiny_model: tuple[Any, Any], tmp_path: Path) -> None:
     """One file per distinct profile grew without bound; now the least recently used files are removed."""
-    from narrative_gravity.fields import semantic
+    from narrative_gravity.fields import cache, semantic
 
     model, tokenizer = tiny_model
     folder = tmp_path / "semantic" / "fields"
@@ -203,8 +203,8 @@ def test_semantic_field_disk_cache_is_bounded(tiny_model: tuple[Any, Any], tmp_p
         time.sleep(0.01)  # distinct modification times
         return {p.name for p in folder.glob("*.pt")}
 
-    before = semantic.FIELD_CACHE_ENTRIES
-    semantic.set_field_cache_limit(3)
+    before = cache.FIELD_CACHE_ENTRIES
+    cache.set_field_cache_limit(3)
     try:
         files: dict[str, str] = {}
         for topic in ("planet", "orbit", "galaxy"):
@@ -215,7 +215,7 @@ def test_semantic_field_disk_cache_is_bounded(tiny_model: tuple[Any, Any], tmp_p
         for topic in ("telescope", "crew", "moon", "star"):
             assert len(build(topic)) == 3
     finally:
-        semantic.set_field_cache_limit(before)
+        cache.set_field_cache_limit(before)
 
 
 # ----------------------------------------------------------------------------------------------- finding 3
@@ -224,7 +224,7 @@ def test_semantic_field_disk_cache_is_bounded(tiny_model: tuple[Any, Any], tmp_p
 def test_empty_api_key_and_open_bind_without_a_key_are_refused(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
+    from narrative_gravity.cli.main import app
 
     with pytest.raises(ConfigurationError, match="NGRAV_API_KEY"):
         ServerConfig(api_key="")

@@ -23,10 +23,10 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from narrative_gravity.cli import app as cli_app  # noqa: E402
-from narrative_gravity.rollout import ARMS  # noqa: E402
+from narrative_gravity.cli.main import app as cli_app  # noqa: E402
+from narrative_gravity.profiles.rollout import ARMS  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.store import ProfileStore  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 SPACE = {"core_semantics": ["planet", "orbit"], "gravity_strength": 3.0, "schedule": "constant"}
@@ -170,7 +170,7 @@ def test_a_shadow_runs_is_recorded_and_not_returned(server: RunningServer, store
 
 
 def test_shadows_stay_within_their_share_of_the_decoded_tokens(server: RunningServer, store: ProfileStore) -> None:
-    from narrative_gravity.rollout import RolloutConfig, route, route_key
+    from narrative_gravity.profiles.rollout import RolloutConfig, route, route_key
 
     cfg = RolloutConfig(shadow=0.5)
     drawn = [i for i in range(100) if route(cfg, name="budgeted", live=1, key=route_key(seed=i)).shadow]
@@ -311,7 +311,7 @@ class _StepBackend:
         self.batches: list[list[bool]] = []  # the `background` flags of each batch's rows
 
     def generate(self, rows: Any, on_tokens: Any) -> list[Any]:
-        from narrative_gravity.server.backend import RowStats
+        from narrative_gravity.server.backends.base import RowStats
 
         self.batches.append([r.background for r in rows])
         done = [0] * len(rows)
@@ -324,9 +324,9 @@ class _StepBackend:
 
 
 def test_background_rows_use_idle_time_and_are_preempted_by_requests() -> None:
-    from narrative_gravity.server.backend import Sampling
-    from narrative_gravity.server.metrics import Metrics
+    from narrative_gravity.engines.options import GenerationOptions
     from narrative_gravity.server.scheduler import BatchScheduler, Job
+    from narrative_gravity.server.telemetry import Metrics
 
     async def ends(job: Job) -> dict[int, Any]:
         out: dict[int, Any] = {}
@@ -338,7 +338,7 @@ def test_background_rows_use_idle_time_and_are_preempted_by_requests() -> None:
 
     def job(tokens: int) -> Job:
         j = Job()
-        j.add(prompt_ids=[1], max_tokens=tokens, sampling=Sampling(), gravity=None)
+        j.add(prompt_ids=[1], options=GenerationOptions(max_new_tokens=tokens, top_k=0), gravity=None)
         return j
 
     async def main() -> None:
@@ -381,7 +381,7 @@ def test_background_rows_use_idle_time_and_are_preempted_by_requests() -> None:
 def test_on_the_vllm_engine_arms_are_recorded_and_shadows_join_the_batch(tmp_path: Path) -> None:
     """Run from .venv-vllm: `VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m slow -k vllm_engine`."""
     pytest.importorskip("vllm")
-    from narrative_gravity.server.vllm import VLLMBackend
+    from narrative_gravity.server.backends.vllm import VLLMBackend
 
     backend = VLLMBackend.load(max_num_seqs=8, max_model_len=512, kv_cache_mb=64)
     store = ProfileStore(tmp_path)

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from narrative_gravity.cli import app
+from narrative_gravity.cli.main import app
 from narrative_gravity.errors import ProfileError, StoreError
-from narrative_gravity.profile import Profile
-from narrative_gravity.store import ENV_VAR, Change, ProfileStore, default_store_root
+from narrative_gravity.profiles.schema import Profile
+from narrative_gravity.profiles.store import ENV_VAR, Change, ProfileStore, default_store_root
 
 BASE = {"core_semantics": ["orbit", "planet"], "gravity_strength": 1.2}
 FORK = multiprocessing.get_context("fork")
@@ -482,8 +482,8 @@ def test_a_damaged_head_is_flagged_and_the_others_are_listed(tmp_path):
     """One damaged head snapshot made `profile list` fail for every profile."""
     from typer.testing import CliRunner
 
-    from narrative_gravity.cli import app
-    from narrative_gravity.store import StoreDamagedError
+    from narrative_gravity.cli.main import app
+    from narrative_gravity.profiles.store import StoreDamagedError
 
     store = ProfileStore(tmp_path)
     store.set("fine", {"core_semantics": ["orbit"]})

@@ -21,9 +21,11 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
-from narrative_gravity.profile import Profile  # noqa: E402
+from narrative_gravity.engines.options import GenerationOptions  # noqa: E402
+from narrative_gravity.profiles.schema import Profile  # noqa: E402
+from narrative_gravity.profiles.store import ProfileStore  # noqa: E402
 from narrative_gravity.server import HFBackend, ServerConfig, create_app  # noqa: E402
-from narrative_gravity.server.backend import ResolvedGravity, Sampling  # noqa: E402
+from narrative_gravity.server.backends.base import ResolvedGravity  # noqa: E402
 from narrative_gravity.server.grammar import GrammarLogitsProcessor  # noqa: E402
 from narrative_gravity.server.protocol import APIError  # noqa: E402
 from narrative_gravity.server.scheduler import Job  # noqa: E402
@@ -33,7 +35,6 @@ from narrative_gravity.server.structured import (  # noqa: E402
     parse_response_format,
     reply_errors,
 )
-from narrative_gravity.store import ProfileStore  # noqa: E402
 from servers import RunningServer  # noqa: E402
 
 MODEL = "tiny"
@@ -298,7 +299,7 @@ def test_grammar_processor_masks_only_its_rows(tiny_backend: HFBackend) -> None:
 @pytest.mark.parametrize("profile", [SPACE, THERMO, {**SPACE, "penalize": ["the"], "prune_threshold": -0.5}])
 def test_masked_tokens_stay_masked_under_every_schedule(tiny_backend: HFBackend, profile: dict[str, Any]) -> None:
     """The grammar's ``-inf`` survives the pull (``-inf + λ·a``); pruning may remove allowed tokens, never all."""
-    from narrative_gravity.steer import processor_from_profile
+    from narrative_gravity.engines.hf import processor_from_profile
 
     fmt = parse_response_format(json_schema(CARD))
     grammar = GrammarLogitsProcessor(tiny_backend.grammars(), [fmt, fmt], prompt_width=2)
@@ -321,7 +322,8 @@ def test_gravity_runs_after_the_grammar_in_one_batch(tiny_backend: HFBackend) ->
         job = Job()
         ids = tiny_backend.encode_chat(MESSAGES)
         for fmt, g in items:
-            job.add(prompt_ids=ids, max_tokens=40, sampling=Sampling(0.0), gravity=g, response_format=fmt)
+            greedy = GenerationOptions(max_new_tokens=40, temperature=0.0, top_k=0)
+            job.add(prompt_ids=ids, options=greedy, gravity=g, response_format=fmt)
         steps: list[list[int | None]] = []
         stats = tiny_backend.generate(job.rows, lambda tokens, *_: steps.append(list(tokens)))
         return [tiny_backend.decode([s[i] for s in steps][: stats[i].new_tokens]) for i in range(len(items))]

@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import ConfigurationError, ProfileError
 from narrative_gravity.gravity import thermo
 from narrative_gravity.gravity.controllers import StepContext, StrengthController, ThermostatController
 from narrative_gravity.gravity.solve import MAX_THERMOSTAT_STRENGTH, MassProblem, solve_strength
 from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
-from narrative_gravity.profile import Profile
-from narrative_gravity.steer import controller_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import controller_from_profile, thermostat_args
+from narrative_gravity.profiles.schema import Profile
 
 ITERS = 14
 LAM_MAX = 8.0
@@ -388,7 +389,7 @@ def test_default_targets() -> None:
     assert (d.entropy_low, d.entropy_high, d.max_target) == (0.05, 0.25, 0.95)
     assert d.base(1, "cpu").item() == 6.0
     # the profile carries the same feedback defaults, and the topic default's targets and λ_max
-    kwargs = Profile(core_semantics=["orbit"]).thermostat_kwargs()
+    kwargs = thermostat_args(Profile(core_semantics=["orbit"]))
     for name in ("drift_gain", "drift_share", "drift_window", "entropy_low", "entropy_high", "max_target"):
         assert kwargs[name] == getattr(d, name), name
     assert [kwargs[k] for k in ("explore_target", "converge_target", "strict_target", "max_strength")] == (

@@ -37,16 +37,18 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from narrative_gravity.cli import app
+from narrative_gravity.cli.main import app
+from narrative_gravity.engines import vllm_generate
+from narrative_gravity.engines.hf import processor_from_profile
+from narrative_gravity.engines.options import GenerationOptions
 from narrative_gravity.engines.vllm import (
     NarrativeGravityVLLMLogitsProcessor,
     _V2LogitsProcessor,
     profile_from_extra_args,
 )
 from narrative_gravity.errors import ProfileError
-from narrative_gravity.generation import SamplingOptions, vllm_engine
-from narrative_gravity.profile import TOPIC_DEFAULTS, Profile
-from narrative_gravity.steer import field_from_profile, processor_from_profile
+from narrative_gravity.profiles.build import field_from_profile
+from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, Profile
 
 FQCN = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 
@@ -585,9 +587,9 @@ def test_server_on_the_vllm_engine(runs: dict[str, Any], tmp_path: Any) -> None:
 
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.server.vllm import VLLMBackend
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.server.backends.vllm import VLLMBackend
     from servers import RunningServer
 
     tok = runs["llm"].get_tokenizer()
@@ -639,9 +641,9 @@ PHASES = {"core_semantics": ["planet", "orbit"], "schedule": "phases"}
 def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``ngrav serve --engine vllm`` as the CLI builds it (vLLM's stats on), on a loopback port."""
     pytest.importorskip("fastapi")
+    from narrative_gravity.profiles.store import ProfileStore
     from narrative_gravity.server import ServerConfig, create_app
-    from narrative_gravity.server.vllm import VLLMBackend
-    from narrative_gravity.store import ProfileStore
+    from narrative_gravity.server.backends.vllm import VLLMBackend
     from servers import RunningServer
 
     backend = VLLMBackend.load(max_num_seqs=8, max_model_len=512, kv_cache_mb=64)
@@ -673,7 +675,7 @@ def generator() -> Any:
     """The engine that both commands below ask for (8 requests at once, a context of 512): started once,
     then reused by the CLI in this process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm_generate = vllm_engine()
+    vllm_generate.require_vllm()
     gen = vllm_generate.VLLMGenerator.load(None, max_num_seqs=8, longest=CLI_TOKENS + 16)
     yield gen
     vllm_generate.release_shared()
@@ -801,13 +803,11 @@ def test_vllm_backend_a_refused_request_fails_alone(served: Any) -> None:
     submitted with it decodes to the end."""
     import threading
 
-    from narrative_gravity.server.backend import Sampling
-
     _, backend = served
-    greedy = Sampling(temperature=0.0)
-    too_long = SimpleNamespace(prompt_ids=[1] * 600, max_tokens=4, sampling=greedy, gravity=None, cancelled=False)
+    greedy = GenerationOptions(max_new_tokens=4, temperature=0.0, top_k=0)
+    too_long = SimpleNamespace(prompt_ids=[1] * 600, max_tokens=4, options=greedy, gravity=None, cancelled=False)
     good = SimpleNamespace(
-        prompt_ids=backend.encode_text("The planet"), max_tokens=4, sampling=greedy, gravity=None, cancelled=False
+        prompt_ids=backend.encode_text("The planet"), max_tokens=4, options=greedy, gravity=None, cancelled=False
     )
     events: list[tuple[Any, str, Any]] = []
     done = threading.Event()
@@ -840,15 +840,17 @@ def test_vllm_backend_a_burst_of_seeded_long_prompts_all_finish(served: Any) -> 
     the CPU the backend turns chunked prefill off, and paces the burst over steps (``prefill_tokens``)."""
     import threading
 
-    from narrative_gravity.server.backend import Sampling
-
     _, backend = served
     scheduler = backend.engine.vllm_config.scheduler_config
     assert scheduler.enable_chunked_prefill is False and scheduler.max_num_batched_tokens >= backend.max_context
     long_ids = (backend.encode_text("The planet orbits a distant star. ") * 40)[:200]
     rows = [
         SimpleNamespace(
-            prompt_ids=long_ids, max_tokens=4, sampling=Sampling(temperature=0.8, seed=i), gravity=None, cancelled=False
+            prompt_ids=long_ids,
+            max_tokens=4,
+            options=GenerationOptions(max_new_tokens=4, temperature=0.8, top_k=0, seed=i),
+            gravity=None,
+            cancelled=False,
         )
         for i in range(3)
     ]
@@ -872,7 +874,7 @@ def test_vllm_backend_paces_a_burst_by_prompt_tokens(served: Any) -> None:
     always at least one (a longer prompt goes alone); 0 admits everything that arrived."""
     from collections import deque
 
-    from narrative_gravity.server.vllm import VLLMBackend
+    from narrative_gravity.server.backends.vllm import VLLMBackend
 
     _, running_backend = served
     backend = VLLMBackend(running_backend.llm, model_id="smollm2", prefill_tokens=100)  # its thread never starts
@@ -1100,7 +1102,7 @@ def test_cli_eval_on_vllm_reports_the_gravity_arms_trace(generator: Any, tmp_pat
 def test_the_cli_does_not_import_vllm_until_the_engine_is_chosen() -> None:
     """vLLM is heavy: `ngrav --help` never imports it, even where it is installed."""
     code = (
-        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli import app; "
+        "import sys; from typer.testing import CliRunner; from narrative_gravity.cli.main import app; "
         "[CliRunner().invoke(app, [c, '--help']) for c in ('generate', 'eval')]; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
     )
@@ -1114,14 +1116,14 @@ def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -
     """Traces are matched to requests by their outputs; a pull that decides every token makes different
     prompts write the same tokens, and each still gets its own trace (the one it has alone)."""
     heavy = Profile.from_mapping({"core_semantics": ["ocean"], "gravity_strength": 20.0, "schedule": "constant"})
-    options = SamplingOptions(max_new_tokens=4, temperature=0)
+    options = GenerationOptions(max_new_tokens=4, temperature=0, trace=True)
     ids = [generator.tokenizer(p)["input_ids"] for p in ("The planet", "A planet")]
-    both = generator.generate([*ids, ids[0]], options, heavy, record_trace=True)
+    both = generator.generate([*ids, ids[0]], options, heavy)
     assert both[0].token_ids == both[1].token_ids == both[2].token_ids, [o.token_ids for o in both]
     assert both[0].trace["mass"] != both[1].trace["mass"]  # the prompts differ, so do their traces
     assert both[2].trace == both[0].trace  # the same prompt twice: the same trace
     for i in (0, 1):
-        alone = generator.generate([ids[i]], options, heavy, record_trace=True)[0]
+        alone = generator.generate([ids[i]], options, heavy)[0]
         for key, values in alone.trace.items():
             assert both[i].trace[key] == pytest.approx(values, abs=1e-4), (i, key)
 
@@ -1129,7 +1131,7 @@ def test_each_trace_follows_its_request_when_outputs_are_equal(generator: Any) -
 def test_the_rows_of_one_seeded_call_sample_independently(generator: Any) -> None:
     """Each request of a seeded call gets its own seed: the same prompt twice in one call writes two
     different samples (one shared seed gave every row the same draws), and the call is reproducible."""
-    options = SamplingOptions(max_new_tokens=24, temperature=1.0, top_k=0, seed=7)
+    options = GenerationOptions(max_new_tokens=24, temperature=1.0, top_k=0, seed=7)
     ids = generator.tokenizer("Once upon a time")["input_ids"]
     first = [o.token_ids for o in generator.generate([ids, ids, ids], options)]
     again = [o.token_ids for o in generator.generate([ids, ids, ids], options)]

@@ -48,9 +48,11 @@ def _segments(tokenizer: Any, ids: list[int], n: int) -> list[str]:
 def generate(args: argparse.Namespace) -> None:
     from rich.progress import Progress
 
+    from narrative_gravity.engines.hf_generate import sample_ids
+    from narrative_gravity.engines.options import GenerationOptions
+    from narrative_gravity.engines.prompts import chat_ids
     from narrative_gravity.eval.metrics import MetricContext
     from narrative_gravity.eval.runner import CONTROL, EvalSettings, _Guidance, _Runner, make_plan
-    from narrative_gravity.generation import SamplingOptions, chat_ids, sample_ids
     from narrative_gravity.lead import lead_messages
     from narrative_gravity.models import load_model
 
@@ -92,8 +94,11 @@ def generate(args: argparse.Namespace) -> None:
                         ids = [chat_ids(tok, lead_messages(t, lead)) for t in talks]
                         if isinstance(proc, _Guidance):
                             proc = proc.build(model, tok, [chat_ids(tok, t) for t in talks])
-                        options = SamplingOptions(
-                            args.max_new_tokens, settings.top_k, settings.temperature, seed + turn
+                        options = GenerationOptions(
+                            max_new_tokens=args.max_new_tokens,
+                            top_k=settings.top_k,
+                            temperature=settings.temperature,
+                            seed=seed + turn,
                         )
                         t0 = time.perf_counter()
                         rows = sample_ids(model, tok, ids, options, [proc] if proc is not None else [])

@@ -37,8 +37,8 @@ from narrative_gravity.eval.lexicon import TEST_TOPICS, TUNE_TOPICS, clean_words
 from narrative_gravity.eval.prompts import split_wordlist
 from narrative_gravity.eval.runner import AUTO_DEFAULTS
 from narrative_gravity.models import load_tokenizer
-from narrative_gravity.profile import Profile, load_profile
-from narrative_gravity.steer import field_from_profile
+from narrative_gravity.profiles.build import field_from_profile
+from narrative_gravity.profiles.schema import Profile, load_profile
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:

@@ -1,21 +1,35 @@
-"""``ngrav compare``: control and gravity with the same seeds, side by side, with paired statistics."""
+"""Control and gravity with the same seeds, side by side, with paired statistics (what ``ngrav compare`` runs)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .generation import GenerationResult, SamplingOptions, encode_prompts, generate
+from .engines.hf import processor_from_profile
+from .engines.hf_generate import generate
+from .engines.options import GenerationOptions
+from .engines.prompts import encode_prompts
+from .engines.results import GenerationResult
+from .eval.text_metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
 from .lead import lead_sentence, reading_profile
-from .metrics import distinct_n, mean_ci, narrative_token_rate, penalized_hits
-from .profile import Profile
-from .steer import field_from_profile, processor_from_profile
+from .profiles.build import field_from_profile
+from .profiles.schema import Profile
 
-__all__ = ["ComparisonRow", "compare_runs", "row_metrics", "run_compare", "summarize", "summarize_metrics"]
+__all__ = [
+    "COMPARE_OPTIONS",
+    "METRICS",
+    "ComparisonRow",
+    "compare_runs",
+    "row_metrics",
+    "summarize",
+    "summarize_metrics",
+]
+
+COMPARE_OPTIONS = GenerationOptions(max_new_tokens=80)
+"""How :func:`compare_runs` samples unless told otherwise (its seeds replace ``seed``)."""
 
 METRICS = (
     ("narrative-token rate", "narrative_rate", True),
@@ -76,21 +90,19 @@ def compare_runs(
     tokenizer: Any,
     profile: Profile,
     prompt: str,
+    options: GenerationOptions = COMPARE_OPTIONS,
     *,
     seeds: int = 3,
-    raw: bool = False,
-    max_new_tokens: int = 80,
-    top_k: int = 10,
-    temperature: float = 1.0,
-    progress: Any = None,
+    progress: Callable[[], None] | None = None,
 ) -> list[ComparisonRow]:
-    """Generate control and gravity for seeds ``0..seeds-1`` and measure both."""
+    """Generate control and gravity for seeds ``0..seeds-1`` with ``options`` and measure both."""
+    raw = not options.chat_template(tokenizer)
     field = field_from_profile(profile, tokenizer, model=model)  # model: for fields from the LM's embeddings
     prompt_ids = encode_prompts(tokenizer, [prompt], raw=raw)[0]
     lead = lead_sentence(profile, raw=raw)  # gravity's rows read the topic sentence first; control's do not
     rows = []
     for seed in range(seeds):
-        opts = SamplingOptions(max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)
+        opts = options.replace(seed=seed, batch_size=1, trace=True, raw=raw)
         pair = {}
         for mode in ("control", "gravity"):
 
@@ -100,17 +112,8 @@ def compare_runs(
                     pull, tokenizer, max_new_tokens=budget, trace=trace, measure_only=_mode == "control", model=model
                 )
 
-            (res,) = generate(
-                model,
-                tokenizer,
-                [prompt],
-                options=opts,
-                processor_factory=factory,
-                raw=raw,
-                batch_size=1,
-                record_trace=True,
-                lead=lead if mode == "gravity" else None,
-            )
+            lead_read = lead if mode == "gravity" else None
+            (res,) = generate(model, tokenizer, [prompt], opts, processor_factory=factory, lead=lead_read)
             pair[mode] = res
             if progress is not None:
                 progress()
@@ -145,89 +148,3 @@ def summarize_metrics(pairs: list[dict[str, dict[str, float]]]) -> dict[str, dic
             "difference": mean_ci((g[ok] - c[ok]).tolist()),
         }
     return out
-
-
-def _fmt(ci: tuple[float, float, float]) -> str:
-    m, lo, hi = ci
-    if np.isnan(m):
-        return "n/a"
-    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
-
-
-def run_compare(
-    model: Any,
-    tokenizer: Any,
-    profile: Profile,
-    prompt: str,
-    *,
-    seeds: int = 3,
-    raw: bool = False,
-    max_new_tokens: int = 80,
-    top_k: int = 10,
-    temperature: float = 1.0,
-    plot: Path | None = None,
-    json_out: Path | None = None,
-    show: int = 2,
-) -> dict[str, Any]:
-    """The ``ngrav compare`` command: run, print, optionally plot and save; returns the summary."""
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
-    console = Console()
-    with Progress(transient=True, console=console) as bar:
-        task = bar.add_task("control vs gravity", total=2 * seeds)
-        rows = compare_runs(
-            model,
-            tokenizer,
-            profile,
-            prompt,
-            seeds=seeds,
-            raw=raw,
-            max_new_tokens=max_new_tokens,
-            top_k=top_k,
-            temperature=temperature,
-            progress=lambda: bar.advance(task),
-        )
-    texts = Table(title=f"prompt: {prompt!r}", show_lines=True)
-    texts.add_column("seed", justify="right")
-    texts.add_column("control (no gravity)", ratio=1)
-    texts.add_column(f"gravity ({profile.name})", ratio=1)
-    for r in rows[:show]:
-        texts.add_row(str(r.seed), r.control.text, r.gravity.text)
-    console.print(texts)
-    summary = summarize(rows)
-    table = Table(title=f"{seeds} seeds, mean [95% bootstrap interval]")
-    for col in ("metric", "control", "gravity", "gravity − control (paired)"):
-        table.add_column(col)
-    for s in summary.values():
-        table.add_row(s["label"], _fmt(s["control"]), _fmt(s["gravity"]), _fmt(s["difference"]))
-    console.print(table)
-    if plot is not None:
-        from .plots import plot_traces
-
-        path = plot_traces(
-            {"control": [r.control.trace for r in rows], "gravity": [r.gravity.trace for r in rows]},
-            plot,
-            title=f"{profile.name}: {prompt[:60]}",
-        )
-        console.print(f"trace plot saved to {path}")
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "prompt": prompt,
-            "profile": profile.model_dump(),
-            "summary": summary,
-            "runs": [
-                {
-                    "seed": r.seed,
-                    "control": r.control.to_json(),
-                    "gravity": r.gravity.to_json(),
-                    "metrics": r.metrics,
-                }
-                for r in rows
-            ],
-        }
-        json_out.write_text(json.dumps(payload, indent=2, ensure_ascii=False), encoding="utf-8")
-        console.print(f"results saved to {json_out}")
-    return summary

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import AutoModel, AutoTokenizer
+
+from .fields.minilm import minilm_folder
 
 __all__ = ["MAX_LENGTH", "TextEncoder", "encode", "load_minilm", "mean_pool"]
 
@@ -78,9 +81,6 @@ def load_minilm(*, batch_size: int = 32) -> TextEncoder:
     Raises :class:`~narrative_gravity.errors.ModelNotFoundError` with the install command when the package
     is missing.
     """
-    from transformers import AutoModel, AutoTokenizer
-
-    from .fields.semantic import minilm_folder
 
     folder = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)

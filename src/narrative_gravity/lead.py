@@ -21,10 +21,13 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
+
+from .embeddings import encode
 from .text import has_unspaced_script
 
 if TYPE_CHECKING:
-    from .profile import Profile
+    from .profiles.schema import Profile
 
 __all__ = [
     "CHAT_LEAD",
@@ -72,10 +75,6 @@ def central_words(words: Sequence[str], k: int) -> list[str]:
 
 @lru_cache(maxsize=1024)
 def _central(key: tuple[str, ...], k: int, words: tuple[str, ...]) -> tuple[str, ...]:
-    import torch
-
-    from .embeddings import encode
-
     vectors = encode(list(key))
     centre = torch.nn.functional.normalize(vectors.mean(0), dim=0)
     score = {w: float(s) for w, s in zip(key, (vectors @ centre).tolist(), strict=True)}
@@ -86,7 +85,7 @@ def _central(key: tuple[str, ...], k: int, words: tuple[str, ...]) -> tuple[str,
 def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     """The profile's topic sentence for plain continuation (``raw``) or chat, or ``None`` without ``lead``.
 
-    >>> from narrative_gravity.profile import Profile
+    >>> from narrative_gravity.profiles.schema import Profile
     >>> lead_sentence(Profile(core_semantics=["orbit", "planet"], lead={}), raw=True)
     'The following is about orbit and planet.'
     >>> lead_sentence(Profile(core_semantics=["orbit"], lead={"text": "Now: {words}!"}), raw=False)
@@ -115,7 +114,7 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
 def reads_lead(profile: Profile | None, *, raw: bool) -> bool:
     """Whether ``profile`` has a topic sentence for plain continuation (``raw``) or chat.
 
-    >>> from narrative_gravity.profile import Profile
+    >>> from narrative_gravity.profiles.schema import Profile
     >>> p = Profile(core_semantics=["orbit"])  # the topic default: plain continuation only
     >>> reads_lead(p, raw=True), reads_lead(p, raw=False), reads_lead(None, raw=True)
     (True, False, False)
@@ -131,10 +130,10 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     decoding).
 
     Every path that puts the sentence before the prompt (``ngrav generate``, ``compare``, ``eval``, the server,
-    :func:`narrative_gravity.generation.generate` with ``lead``) pulls with this profile; a path that cannot
+    :func:`narrative_gravity.engines.hf_generate.generate` with ``lead``) pulls with this profile; a path that cannot
     (a processor in a ``generate`` call of your own) pulls with the profile as it is.
 
-    >>> from narrative_gravity.profile import Profile
+    >>> from narrative_gravity.profiles.schema import Profile
     >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, chat: false, ...}
     >>> read = reading_profile(p, raw=True).thermostat
     >>> p.thermostat.kl_budget, read.kl_budget, read.kl_budget_steps, read.late_kl_budget

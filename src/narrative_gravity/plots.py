@@ -5,18 +5,31 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .errors import ConfigurationError
 
-__all__ = ["plot_traces"]
+__all__ = ["plot_traces", "pyplot"]
 
 _PANELS = (
     ("entropy", "entropy H(p) [nats]"),
     ("mass_after", "narrative mass (after pull)"),
     ("strength", "strength λ"),
 )
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or ``None`` without the ``plot`` extra."""
+    try:
+        import matplotlib  # the `plot` extra, imported on first use
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return plt
 
 
 def _stack(traces: Sequence[Mapping[str, Sequence[float]]], key: str) -> np.ndarray:
@@ -36,15 +49,9 @@ def plot_traces(
     ``runs`` maps a label (``control``, ``gravity``) to a list of per-generation traces, each a mapping of
     metric name to per-step values.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigurationError(
-            "plots need matplotlib; install it with:\n    pip install 'narrative-gravity[plot]'"
-        ) from exc
+    plt = pyplot()
+    if plt is None:  # pragma: no cover - depends on the environment
+        raise ConfigurationError("plots need matplotlib; install it with:\n    pip install 'narrative-gravity[plot]'")
     fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.2 * len(_PANELS), 3.4), constrained_layout=True)
     for label, traces in runs.items():
         traces = [t for t in traces if t]

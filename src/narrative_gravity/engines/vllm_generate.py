@@ -3,7 +3,7 @@
 :class:`VLLMGenerator` holds one ``vllm.LLM`` with
 :class:`~narrative_gravity.engines.vllm.NarrativeGravityVLLMLogitsProcessor` and the model's Hugging Face
 tokenizer. Prompts are encoded by the caller exactly as for the transformers engine (chat template or raw
-text, :func:`~narrative_gravity.generation.encode_prompts`) and sent as token ids, each request with its
+text, :func:`~narrative_gravity.engines.prompts.encode_prompts`) and sent as token ids, each request with its
 sampling settings and its profile in ``SamplingParams(extra_args={"gravity": ...})`` (or none, for plain
 decoding). vLLM batches the requests itself.
 
@@ -13,8 +13,8 @@ its request by its tokens when the call ends. Requests without gravity keep no t
 process only, so the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here).
 
 vLLM lives in its own venv (``bash scripts/setup_vllm.sh``). Without it this module still imports (for docs
-and doctests), with :data:`VLLM_IMPORT_ERROR` set; :func:`narrative_gravity.generation.vllm_engine` turns that
-into an error naming the setup. It imports vLLM itself, so it is imported only when the vLLM engine is chosen.
+and doctests), with :data:`VLLM_IMPORT_ERROR` set; :func:`require_vllm` turns that into an error naming the
+setup. It imports vLLM itself, so it is imported only when the vLLM engine is chosen.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..errors import ConfigurationError
-from ..generation import GenerationResult, SamplingOptions, encode_prompts
 from ..gravity.thermo import METRICS
 from ..lead import lead_sentence, reading_profile
 from ..models import hf_folder
-from ..profile import Profile
+from ..profiles.schema import Profile
+from .options import GenerationOptions
+from .prompts import encode_prompts
+from .results import GenerationResult
 from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
 
 try:  # the optional extra; see the module doc
@@ -49,13 +51,31 @@ try:  # the optional extra; see the module doc
 except ImportError as _exc:  # pragma: no cover - exercised where vLLM is not installed
     VLLM_IMPORT_ERROR = _exc
 
-__all__ = ["PROCESSOR", "VLLM_IMPORT_ERROR", "VLLMGenerator", "VLLMOutput", "gravity_args", "release_shared"]
+__all__ = [
+    "PROCESSOR",
+    "VLLM_IMPORT_ERROR",
+    "VLLM_SETUP",
+    "VLLMGenerator",
+    "VLLMOutput",
+    "gravity_args",
+    "release_shared",
+    "require_vllm",
+]
 
+VLLM_SETUP = "run `bash scripts/setup_vllm.sh` and use .venv-vllm/bin/ngrav, or use --engine hf"
 PROCESSOR = "narrative_gravity.engines.vllm:NarrativeGravityVLLMLogitsProcessor"
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _IDS = itertools.count()
 _LEN_STEP = 512  # max_model_len is rounded up to a multiple of this, so similar runs share one engine
 _SHARED: dict[tuple[Any, ...], VLLMGenerator] = {}
+
+
+def require_vllm() -> None:
+    """A :class:`~narrative_gravity.errors.ConfigurationError` naming the setup when vLLM cannot be imported here."""
+    exc = VLLM_IMPORT_ERROR
+    if exc is not None:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigurationError(f"--engine vllm needs vLLM, which is not importable here ({reason}); {VLLM_SETUP}")
 
 
 def gravity_args(profile: Profile | None) -> dict[str, Any] | None:
@@ -73,7 +93,7 @@ def gravity_args(profile: Profile | None) -> dict[str, Any] | None:
 class VLLMOutput:
     """One request's result. Times are seconds from the call's start; ``trace`` holds one value per
     generated token for each of :data:`~narrative_gravity.gravity.thermo.METRICS` (``None`` without gravity
-    or without ``record_trace``)."""
+    or without ``options.trace``)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -182,6 +202,23 @@ class VLLMGenerator:
             _SHARED[key] = gen
         return gen
 
+    @classmethod
+    def for_prompts(
+        cls,
+        model: str | os.PathLike[str] | None,
+        prompts: Sequence[str],
+        options: GenerationOptions,
+        *,
+        profile: Profile | None = None,
+        tokenizer: Any,
+    ) -> VLLMGenerator:
+        """:meth:`load` for ``options.batch_size`` requests at once, sized for the longest of ``prompts`` (encoded
+        as ``options`` says, after ``profile``'s topic sentence) plus ``options.max_new_tokens``."""
+        raw = not options.chat_template(tokenizer)
+        encoded = encode_prompts(tokenizer, prompts, raw=raw, lead=lead_sentence(profile, raw=raw))
+        longest = max(len(ids) for ids in encoded) + options.max_new_tokens
+        return cls.load(model, max_num_seqs=options.batch_size, longest=longest, tokenizer=tokenizer)
+
     @property
     def embeddings(self) -> CheckpointEmbeddings:
         """The model's input embeddings from its checkpoint, for fields with ``semantic_source: lm``."""
@@ -190,14 +227,14 @@ class VLLMGenerator:
         return self._embeddings
 
     @staticmethod
-    def sampling_params(options: SamplingOptions, gravity: Mapping[str, Any] | None) -> SamplingParams:
-        """vLLM's settings for ``options`` (``temperature == 0``: greedy) with ``gravity`` as ``extra_args``."""
-        if not options.do_sample:
+    def sampling_params(options: GenerationOptions, gravity: Mapping[str, Any] | None) -> SamplingParams:
+        """vLLM's settings for ``options`` (greedy below temperature 1e-5) with ``gravity`` as ``extra_args``."""
+        if options.greedy:
             return SamplingParams(temperature=0.0, max_tokens=options.max_new_tokens, extra_args=gravity)
         return SamplingParams(
             temperature=options.temperature,
             top_k=options.top_k,
-            top_p=1.0,
+            top_p=options.top_p,
             seed=options.seed,
             max_tokens=options.max_new_tokens,
             extra_args=gravity,
@@ -206,21 +243,21 @@ class VLLMGenerator:
     def generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
-        options: SamplingOptions,
+        options: GenerationOptions,
         profile: Profile | None = None,
         *,
-        record_trace: bool = False,
         on_finish: Callable[[int], None] | None = None,
     ) -> list[VLLMOutput]:
         """Continue every token-id prompt with ``options``, each request carrying ``profile`` in its
         ``extra_args`` (:func:`gravity_args`; ``None``: plain decoding); all are sent at once and vLLM batches
         them.
 
-        ``record_trace`` fills :attr:`VLLMOutput.trace` for gravity requests. ``on_finish(n)`` is called as
+        ``options.trace`` fills :attr:`VLLMOutput.trace` for gravity requests. ``on_finish(n)`` is called as
         requests finish. The outputs keep the order of ``prompt_ids``.
         """
         if not prompt_ids:
             return []
+        record_trace = options.trace
         if record_trace and profile is not None and os.environ.get(_MULTIPROCESSING, "0") != "0":
             raise ConfigurationError(
                 f"traces come from the engine running in this process, but {_MULTIPROCESSING}="
@@ -236,22 +273,21 @@ class VLLMGenerator:
     def generate_texts(
         self,
         prompts: Sequence[str],
-        options: SamplingOptions,
+        options: GenerationOptions,
         profile: Profile | None = None,
         *,
-        raw: bool = False,
-        record_trace: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
-        """:func:`narrative_gravity.generation.generate` on this engine, for one batch of ``prompts``: the same
-        encoding (chat template, or plain text with ``raw``), the same result fields, ``profile`` on every
-        request (``None``: plain decoding, and no trace), and its topic sentence (``lead``) before every prompt.
-        ``seconds`` is each prompt's share of the call."""
+        """:func:`narrative_gravity.engines.hf_generate.generate` on this engine, for one batch of ``prompts``: the
+        same encoding (chat template, or plain text with ``options.raw``), the same result fields, ``profile`` on
+        every request (``None``: plain decoding, and no trace), and its topic sentence (``lead``) before every
+        prompt. ``seconds`` is each prompt's share of the call."""
+        raw = not options.chat_template(self.tokenizer)
         lead = lead_sentence(profile, raw=raw)
         encoded = encode_prompts(self.tokenizer, prompts, raw=raw, lead=lead)
         profile = reading_profile(profile, raw=raw)  # the pull while the sentence is read (its KL budget)
         t0 = time.perf_counter()
-        outs = self.generate(encoded, options, profile, record_trace=record_trace, on_finish=progress)
+        outs = self.generate(encoded, options, profile, on_finish=progress)
         elapsed = time.perf_counter() - t0
         return [
             GenerationResult(

@@ -20,7 +20,7 @@ it names the topic, which no profile and no system message is given.
 
 >>> len(CHAT_REQUESTS), CHAT_REQUESTS[0]
 (20, 'Tell me about your weekend.')
->>> from narrative_gravity.eval.prompts import EvalPrompt
+>>> from narrative_gravity.eval.topics import EvalPrompt
 >>> base = [EvalPrompt(0, "In summary", "space", ("orbit",), ("moon",)),
 ...         EvalPrompt(1, "The connection", "space", ("orbit",), ("moon",)),
 ...         EvalPrompt(2, "In summary", "air_travel", ("plane",), ("pilot",))]
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from ..errors import ConfigurationError
 from .lexicon import load_empath
-from .prompts import CHAT_TOPIC_SETS, EMPATH_TUNE, TOPIC_SETS, TOPICS, TOPICS_TUNE, EvalPrompt, load_topics
+from .topics import CHAT_TOPIC_SETS, EMPATH_TUNE, TOPIC_SETS, TOPICS, TOPICS_TUNE, EvalPrompt, load_topics
 
 __all__ = ["CHAT_REQUESTS", "CHAT_SETS", "chat_prompts", "description", "load_chat"]
 

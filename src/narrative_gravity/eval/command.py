@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from ..errors import ConfigurationError
 from .judge import DEFAULT_JUDGE
+from .report import comparison_table, write_reports
+from .runner import EvalSettings, run_eval
+from .store import RESULTS
 
 __all__ = ["DEFAULT_SAMPLES", "parse_seeds", "run_command"]
 
@@ -76,13 +83,6 @@ def run_command(
     chat_frame: str | None = None,
 ) -> dict[str, Any]:
     """Run ``ngrav eval``; returns the summary."""
-    import time
-
-    from rich.console import Console
-
-    from .report import write_reports
-    from .runner import EvalSettings, run_eval
-    from .store import RESULTS
 
     console = Console(stderr=True, soft_wrap=True)
     if report_only:
@@ -124,11 +124,6 @@ def run_command(
 
 
 def _print(summary: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .report import comparison_table
-
     console = Console(width=None if sys.stdout.isatty() else 150)
     style = {"better": "green", "worse": "red"}
     for arm in summary.get("comparisons", {}):

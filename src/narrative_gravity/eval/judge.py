@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigurationError
+from ..models import load_model
 
 __all__ = ["DEFAULT_JUDGE", "PerplexityJudge", "load_judge"]
 
@@ -118,7 +119,6 @@ class PerplexityJudge:
 
 def load_judge(name_or_path: str | None = DEFAULT_JUDGE) -> PerplexityJudge:
     """Load the judge model with :func:`~narrative_gravity.models.load_model` (``gemma3-270m`` by default)."""
-    from ..models import load_model
 
     model, tokenizer = load_model(name_or_path or DEFAULT_JUDGE)
     return PerplexityJudge(model, tokenizer, name=str(name_or_path or DEFAULT_JUDGE))

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from .prompts import EvalPrompt, find_topics_folder, read_prefixes, split_wordlist
+from .topics import EvalPrompt, find_topics_folder, read_prefixes, split_wordlist
 
 __all__ = [
     "EMPATH_INSTALL",

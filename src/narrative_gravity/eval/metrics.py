@@ -23,9 +23,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from wordfreq import zipf_frequency
+
+from ..embeddings import load_minilm
 from ..errors import ConfigurationError
-from ..metrics import is_cjk, token_field_values
 from ..text import ngrams
+from .judge import load_judge
+from .stats import AGGREGATIONS
+from .text_metrics import is_cjk, token_field_values
 
 __all__ = [
     "METRICS",
@@ -97,16 +103,12 @@ class MetricContext:
     @property
     def encoder(self) -> Callable[[Sequence[str]], Any]:
         if self._encoder is None:
-            from ..embeddings import load_minilm
-
             self._encoder = load_minilm()
         return self._encoder
 
     @property
     def judge(self) -> Any:
         if self._judge is None or isinstance(self._judge, str):
-            from .judge import load_judge
-
             self._judge = load_judge(self._judge)
         return self._judge
 
@@ -118,8 +120,6 @@ class MetricContext:
         return [self._vectors[t] for t in texts]
 
     def centroid(self, words: tuple[str, ...]) -> Any:
-        import torch
-
         if words not in self._centroids:
             vecs = torch.stack(self.vectors(list(words)))
             self._centroids[words] = torch.nn.functional.normalize(vecs.mean(dim=0), dim=-1)
@@ -171,7 +171,6 @@ def register_metric(
     needs: Iterable[str] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(sample) -> float`` (or, with ``batched=True``, ``fn(samples, ctx) -> list[float]``)."""
-    from .stats import AGGREGATIONS
 
     if aggregation not in AGGREGATIONS:
         raise ConfigurationError(f"aggregation {aggregation!r} is unknown; use one of {sorted(AGGREGATIONS)}")
@@ -255,10 +254,6 @@ def contains_any(text: str, words: Iterable[str]) -> bool:
 
 @functools.lru_cache(maxsize=65536)
 def _zipf(word: str) -> float:
-    try:
-        from wordfreq import zipf_frequency
-    except ImportError:
-        raise ConfigurationError("metric rare_success needs wordfreq: pip install wordfreq==3.1.1") from None
     return float(zipf_frequency(word, "en"))
 
 
@@ -388,7 +383,6 @@ def _required_inclusion(s: Sample) -> float:
 def _off_topic_rate(s: Sample) -> float:
     if s.field is None or not s.token_ids:
         return NAN
-    import torch
 
     off = token_field_values(s.field, list(s.prompt_ids), list(s.token_ids)) < 0
     spans = word_spans(s.text, s.penalized) if s.penalized and s.tokenizer is not None else []

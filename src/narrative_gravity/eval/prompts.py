@@ -37,10 +37,26 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigurationError
+from .chat import load_chat
+from .lexicon import load_empath
+from .topics import (
+    BENCH_ENV,
+    BUILT_IN_SETS,
+    CHAT_TOPIC_SETS,
+    EMPATH,
+    EMPATH_TUNE,
+    TOPIC_SETS,
+    TOPICS,
+    TOPICS_TUNE,
+    EvalPrompt,
+    find_topics_folder,
+    load_topics,
+    read_prefixes,
+    split_wordlist,
+)
 
 __all__ = [
     "BENCH_ENV",
@@ -60,108 +76,6 @@ __all__ = [
     "split_wordlist",
 ]
 
-TOPICS = "topics"
-TOPICS_TUNE = "topics-tune"
-EMPATH = "empath"
-EMPATH_TUNE = "empath-tune"
-# The built-in topic sets: named, not files, and continued without the chat template unless --chat is given.
-TOPIC_SETS = (TOPICS, TOPICS_TUNE, EMPATH, EMPATH_TUNE)
-# The same topics and word splits under neutral chat requests (:mod:`~narrative_gravity.eval.chat`).
-CHAT_TOPIC_SETS = tuple(f"chat-{name}" for name in TOPIC_SETS)
-BUILT_IN_SETS = TOPIC_SETS + CHAT_TOPIC_SETS
-BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
-
-
-@dataclass(frozen=True)
-class EvalPrompt:
-    """One prompt of an eval set. ``index`` is its position in the full set and keys its results."""
-
-    index: int
-    text: str
-    topic_name: str | None = None
-    topic_words: tuple[str, ...] = ()
-    heldout_words: tuple[str, ...] = ()
-    profile: str | None = None
-    required: tuple[str, ...] = ()
-    description: str | None = None  # a sentence that scores relevance apart from every word list (chat sets)
-
-    def score_words(self) -> tuple[str, ...]:
-        """The words that score topic relevance and success: held-out words if any, else the topic words."""
-        return self.heldout_words or self.topic_words
-
-
-def split_wordlist(lines: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(conditioning, heldout)``: even and odd positions of the stripped, non-blank lines (see the module doc)."""
-    words = [w.strip() for w in lines]
-    words = [w for w in words if w]
-    cond = tuple(dict.fromkeys(words[0::2]))
-    seen = {w.casefold() for w in cond}
-    held: dict[str, None] = {}
-    for w in words[1::2]:
-        if w.casefold() not in seen:
-            held.setdefault(w, None)
-    return cond, tuple(held)
-
-
-def _repo_roots() -> list[Path]:
-    roots = []
-    here = Path(__file__).resolve()
-    for start in (here.parent, Path.cwd().resolve()):
-        for p in (start, *start.parents):
-            if (p / "pyproject.toml").exists():
-                roots.append(p)
-                break
-    return list(dict.fromkeys(roots))
-
-
-def find_topics_folder() -> Path:
-    """The ``topics`` bench folder: ``$NARRATIVE_GRAVITY_BENCH`` (the bench folder or its ``topics`` folder),
-    else ``shared/bench/topics`` next to the repository."""
-    tried: list[Path] = []
-    env = os.environ.get(BENCH_ENV)
-    if env:
-        base = Path(env).expanduser()
-        candidates = [base / "topics", base]
-    else:
-        candidates = [root.parent / "shared" / "bench" / "topics" for root in _repo_roots()]
-    for c in candidates:
-        tried.append(c)
-        if (c / "prefixes.txt").is_file() and (c / "wordlists").is_dir():
-            return c
-    where = ", ".join(str(t) for t in tried) or "(no repository root found)"
-    raise ConfigurationError(
-        f"the `topics` prompt set needs the shared bench folder (prefixes.txt and wordlists/); looked in {where}. "
-        f"Set {BENCH_ENV} to the bench folder (the one that holds topics/), or pass --prompts FILE"
-    )
-
-
-def read_prefixes(root: Path) -> list[str]:
-    """The prefixes of the topic protocol: the stripped, non-blank lines of ``root/prefixes.txt``, in order."""
-    prefixes = [p.strip() for p in (root / "prefixes.txt").read_text(encoding="utf-8").splitlines()]
-    return [p for p in prefixes if p]
-
-
-def load_topics(folder: str | os.PathLike[str] | None = None, *, tuning: bool = False) -> list[EvalPrompt]:
-    """The PPLM/FUDGE protocol: every prefix × every topic (topics sorted by name, prefixes in file order).
-
-    ``tuning=True`` gives the tuning split (see the module doc): the conditioning half split in two again.
-    """
-    root = Path(folder) if folder is not None else find_topics_folder()
-    prefixes = read_prefixes(root)
-    lists = sorted((root / "wordlists").glob("*.txt"))
-    if not prefixes or not lists:
-        raise ConfigurationError(f"{root} has no prefixes or no word lists; expected prefixes.txt and wordlists/*.txt")
-    out: list[EvalPrompt] = []
-    for path in lists:
-        cond, held = split_wordlist(path.read_text(encoding="utf-8").splitlines())
-        if tuning:
-            cond, held = split_wordlist(list(cond))
-        if not cond or not held:
-            raise ConfigurationError(f"{path}: needs at least two words (one to condition on, one held out)")
-        for prefix in prefixes:
-            out.append(EvalPrompt(len(out), prefix, path.stem, cond, held))
-    return out
-
 
 def _words(value: object, where: str, key: str) -> tuple[str, ...]:
     if value is None:
@@ -178,12 +92,8 @@ def load_prompts(source: str | os.PathLike[str]) -> list[EvalPrompt]:
     if str(source) in (TOPICS, TOPICS_TUNE):
         return load_topics(tuning=str(source) == TOPICS_TUNE)
     if str(source) in (EMPATH, EMPATH_TUNE):
-        from .lexicon import load_empath  # imported here: lexicon builds on this module
-
         return load_empath(tuning=str(source) == EMPATH_TUNE)
     if str(source) in CHAT_TOPIC_SETS:
-        from .chat import load_chat  # imported here: chat builds on this module
-
         return load_chat(str(source))
     path = Path(source)
     if not path.is_file():

@@ -15,11 +15,13 @@ import shutil
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..plots import plot_traces, pyplot
 from .metrics import METRICS
 from .stats import BETTER, NO_CLEAR, WORSE, PairedComparison, bootstrap_ci, paired_bootstrap, summary_line
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
@@ -64,91 +66,17 @@ def build_summary(
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, list[float]]]]]:
     """Aggregates per arm, paired comparisons against control, per-topic tables, timings and examples;
     and the thermometer traces per arm (for the plot)."""
-    arms = list(manifest.get("arms") or [CONTROL, *sorted({r["profile"] for r in rows} - {CONTROL})])
-    profiles = [a for a in arms if a != CONTROL]
-    metrics = _metric_order(rows)
-    by_arm: dict[str, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
-    for r in rows:
-        by_arm[r["profile"]][(int(r["prompt_index"]), int(r["seed"]))] = r
-    control = by_arm.get(CONTROL, {})
-
-    def control_metrics(r: dict[str, Any], arm: str | None) -> dict[str, Any]:
-        if arm is not None and arm in r.get("metrics_vs", {}):
-            return r["metrics_vs"][arm]
-        return r.get("metrics", {})
-
-    per_arm: dict[str, dict[str, Any]] = {}
-    for arm in arms:
-        rs = list(by_arm.get(arm, {}).values())
-        per_arm[arm] = {"n": len(rs), "metrics": {}}
-        for m in metrics:
-            vals = [_val(r.get("metrics", {}).get(m)) for r in rs]
-            agg, lo, hi = bootstrap_ci(vals, _how(m))
-            per_arm[arm]["metrics"][m] = {"value": agg, "low": lo, "high": hi, "n": int(np.isfinite(vals).sum())}
-
-    comparisons: dict[str, dict[str, Any]] = {}
-    lines = []
-    for arm in profiles:
-        pairs = sorted(set(by_arm.get(arm, {})) & set(control))
-        comp: dict[str, PairedComparison] = {}
-        for m in metrics:
-            c = [_val(control_metrics(control[k], arm).get(m)) for k in pairs]
-            t = [_val(by_arm[arm][k]["metrics"].get(m)) for k in pairs]
-            comp[m] = paired_bootstrap(c, t, higher_is_better=_hib(m), how=_how(m))
-        line = summary_line(arm, comp)
-        lines.append(line)
-        comparisons[arm] = {"pairs": len(pairs), "metrics": {m: v.to_json() for m, v in comp.items()}, "line": line}
-
-    topics: dict[str, dict[str, dict[str, Any]]] = {}
-    topic_names = sorted({r["topic"] for r in rows if r.get("topic")})
-    for arm in arms:
-        for topic in topic_names:
-            rs = [r for r in by_arm.get(arm, {}).values() if r.get("topic") == topic]
-            first = profiles[0] if profiles else None
-            entry: dict[str, Any] = {"n": len(rs)}
-            for m in ("topic_success", "topic_relevance", "judge_ppl"):
-                if m in metrics:
-                    vals = [_val((control_metrics(r, first) if arm == CONTROL else r["metrics"]).get(m)) for r in rs]
-                    entry[m] = bootstrap_ci(vals, _how(m))[0]
-            topics.setdefault(topic, {})[arm] = entry
-
-    timings: dict[str, dict[str, float]] = {}
-    for arm in arms:
-        rs = list(by_arm.get(arm, {}).values())
-        gen_s = sum(_val(r.get("batch_s")) / max(1, int(r.get("batch_size", 1))) for r in rs)
-        toks = sum(int(r.get("new_tokens", 0)) for r in rs)
-        timings[arm] = {
-            "rows": len(rs),
-            "generation_s": gen_s,
-            "tokens": toks,
-            "tokens_per_s": toks / gen_s if gen_s > 0 else float("nan"),
-            "scoring_s": sum(_val(r.get("metric_s")) for r in rs),
-        }
-
+    run = _Rows.of(rows, manifest)
+    arms, metrics = run.arms, run.metrics
+    comparisons = {arm: run.comparison(arm) for arm in run.profiles}
     done = {row_key(r) for r in rows}
-    open_failures = {}
-    for f in failures:
-        key = row_key(f)
-        if key not in done:
-            open_failures[key] = f
+    open_failures = {row_key(f): f for f in failures if row_key(f) not in done}
     settings = manifest.get("settings", {})
     n_prompts = len(manifest.get("prompts", [])) or len({r["prompt_index"] for r in rows})
     expected = manifest.get("planned") or (
         n_prompts * len(settings.get("seeds", [])) * len(arms) if settings else len(rows)
     )
-    examples = []
-    for arm in profiles:
-        for k in sorted(set(by_arm.get(arm, {})) & set(control))[:3]:
-            examples.append(
-                {
-                    "profile": arm,
-                    "prompt_index": k[0],
-                    "seed": k[1],
-                    "prompt": control[k]["prompt"],
-                    "control": control[k]["text"],
-                    "gravity": by_arm[arm][k]["text"],
-                }
-            )
+    by_arm = run.by_arm
     traces = {
         arm: [r["trace"] for r in by_arm.get(arm, {}).values() if r.get("trace")] for arm in arms if by_arm.get(arm)
     }
@@ -167,16 +95,108 @@ def build_summary(
             },
             "rows": len(rows),
             "expected_rows": expected,
-            "per_arm": per_arm,
+            "per_arm": {arm: run.aggregates(arm) for arm in arms},
             "comparisons": comparisons,
-            "summary_lines": lines,
-            "topics": topics,
-            "timings": timings,
+            "summary_lines": [c["line"] for c in comparisons.values()],
+            "topics": run.topics(),
+            "timings": {arm: run.timing(arm) for arm in arms},
             "failures": list(open_failures.values()),
-            "examples": examples,
+            "examples": run.examples(),
             "n_traces": {a: len(t) for a, t in traces.items()},
         }
     ), traces
+
+
+@dataclass
+class _Rows:
+    """A run's rows by arm and (prompt, seed), with its arms and metrics."""
+
+    by_arm: dict[str, dict[tuple[int, int], dict[str, Any]]]
+    arms: list[str]
+    profiles: list[str]
+    metrics: list[str]
+
+    @classmethod
+    def of(cls, rows: Sequence[dict[str, Any]], manifest: dict[str, Any]) -> _Rows:
+        arms = list(manifest.get("arms") or [CONTROL, *sorted({r["profile"] for r in rows} - {CONTROL})])
+        by_arm: dict[str, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
+        for r in rows:
+            by_arm[r["profile"]][(int(r["prompt_index"]), int(r["seed"]))] = r
+        return cls(by_arm, arms, [a for a in arms if a != CONTROL], _metric_order(rows))
+
+    @property
+    def control(self) -> dict[tuple[int, int], dict[str, Any]]:
+        return self.by_arm.get(CONTROL, {})
+
+    @staticmethod
+    def control_metrics(r: dict[str, Any], arm: str | None) -> dict[str, Any]:
+        """A control row's metrics as scored for ``arm`` (its own words), else as scored on their own."""
+        if arm is not None and arm in r.get("metrics_vs", {}):
+            return r["metrics_vs"][arm]
+        return r.get("metrics", {})
+
+    def aggregates(self, arm: str) -> dict[str, Any]:
+        rs = list(self.by_arm.get(arm, {}).values())
+        out: dict[str, Any] = {"n": len(rs), "metrics": {}}
+        for m in self.metrics:
+            vals = [_val(r.get("metrics", {}).get(m)) for r in rs]
+            agg, lo, hi = bootstrap_ci(vals, _how(m))
+            out["metrics"][m] = {"value": agg, "low": lo, "high": hi, "n": int(np.isfinite(vals).sum())}
+        return out
+
+    def comparison(self, arm: str) -> dict[str, Any]:
+        """``arm`` against control, paired by (prompt, seed)."""
+        control = self.control
+        pairs = sorted(set(self.by_arm.get(arm, {})) & set(control))
+        comp: dict[str, PairedComparison] = {}
+        for m in self.metrics:
+            c = [_val(self.control_metrics(control[k], arm).get(m)) for k in pairs]
+            t = [_val(self.by_arm[arm][k]["metrics"].get(m)) for k in pairs]
+            comp[m] = paired_bootstrap(c, t, higher_is_better=_hib(m), how=_how(m))
+        line = summary_line(arm, comp)
+        return {"pairs": len(pairs), "metrics": {m: v.to_json() for m, v in comp.items()}, "line": line}
+
+    def topics(self) -> dict[str, dict[str, dict[str, Any]]]:
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        names = sorted({r["topic"] for rs in self.by_arm.values() for r in rs.values() if r.get("topic")})
+        first = self.profiles[0] if self.profiles else None
+        for arm in self.arms:
+            for topic in names:
+                rs = [r for r in self.by_arm.get(arm, {}).values() if r.get("topic") == topic]
+                entry: dict[str, Any] = {"n": len(rs)}
+                for m in ("topic_success", "topic_relevance", "judge_ppl"):
+                    if m in self.metrics:
+                        got = [(self.control_metrics(r, first) if arm == CONTROL else r["metrics"]).get(m) for r in rs]
+                        entry[m] = bootstrap_ci([_val(v) for v in got], _how(m))[0]
+                out.setdefault(topic, {})[arm] = entry
+        return out
+
+    def timing(self, arm: str) -> dict[str, float]:
+        rs = list(self.by_arm.get(arm, {}).values())
+        gen_s = sum(_val(r.get("batch_s")) / max(1, int(r.get("batch_size", 1))) for r in rs)
+        toks = sum(int(r.get("new_tokens", 0)) for r in rs)
+        return {
+            "rows": len(rs),
+            "generation_s": gen_s,
+            "tokens": toks,
+            "tokens_per_s": toks / gen_s if gen_s > 0 else float("nan"),
+            "scoring_s": sum(_val(r.get("metric_s")) for r in rs),
+        }
+
+    def examples(self) -> list[dict[str, Any]]:
+        control = self.control
+        return [
+            {
+                "profile": arm,
+                "prompt_index": k[0],
+                "seed": k[1],
+                "prompt": control[k]["prompt"],
+                "control": control[k]["text"],
+                "gravity": self.by_arm[arm][k]["text"],
+            }
+            for arm in self.profiles
+            for k in sorted(set(self.by_arm.get(arm, {})) & set(control))[:3]
+        ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,14 +204,7 @@ def build_summary(
 
 
 def _plt() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - depends on the environment
-        return None
-    return plt
+    return pyplot()
 
 
 def _arm_colors(arms: Sequence[str]) -> dict[str, str]:
@@ -291,7 +304,6 @@ def plot_pareto(summary: dict[str, Any], path: Path) -> Path | None:
 def plot_thermo(traces: dict[str, list[dict[str, list[float]]]], path: Path) -> Path | None:
     if _plt() is None or not any(traces.values()):
         return None
-    from ..plots import plot_traces
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -415,6 +427,30 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str], *, title: s
             ],
         )
     )
+    out += _md_extras(s, images)
+    out += ["", "## Metrics", ""]
+    out.append(
+        _md_table(
+            ["metric", "better", "aggregation", "definition"],
+            [[m, _dir(v["higher_is_better"]), v["aggregation"], v["description"]] for m, v in s["metrics"].items()],
+        )
+    )
+    out += [
+        "",
+        "Every comparison is paired: control and profile share prompt, seed, batch and sampling settings. The "
+        "interval is a 95% percentile bootstrap (2000 draws) of aggregate(profile) − aggregate(control) over "
+        "resampled pairs; `better`/`worse` when it excludes 0 (by the arrow), `no clear difference` when it "
+        "contains 0. Metrics marked · are reported, not judged. Control rows are scored against each "
+        "profile's field and words (off-topic rate, topic words), so a metric's control value can differ per "
+        "profile.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _md_extras(s: dict[str, Any], images: dict[str, str]) -> list[str]:
+    """The plots, the failures and the examples of a Markdown report (each when there are some)."""
+    out: list[str] = []
     if images:
         out += ["", "## Plots", ""]
         captions = {
@@ -442,24 +478,7 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str], *, title: s
                 f"- {e['profile']}: {e['gravity'].strip()!r}",
                 "",
             ]
-    out += ["", "## Metrics", ""]
-    out.append(
-        _md_table(
-            ["metric", "better", "aggregation", "definition"],
-            [[m, _dir(v["higher_is_better"]), v["aggregation"], v["description"]] for m, v in s["metrics"].items()],
-        )
-    )
-    out += [
-        "",
-        "Every comparison is paired: control and profile share prompt, seed, batch and sampling settings. The "
-        "interval is a 95% percentile bootstrap (2000 draws) of aggregate(profile) − aggregate(control) over "
-        "resampled pairs; `better`/`worse` when it excludes 0 (by the arrow), `no clear difference` when it "
-        "contains 0. Metrics marked · are reported, not judged. Control rows are scored against each "
-        "profile's field and words (off-topic rate, topic words), so a metric's control value can differ per "
-        "profile.",
-        "",
-    ]
-    return "\n".join(out)
+    return out
 
 
 _CSS = """

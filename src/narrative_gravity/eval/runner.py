@@ -34,28 +34,37 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, NarrativeGravityError
-from ..generation import (
-    SamplingOptions,
-    check_engine,
-    encode_prompts,
-    left_pad,
-    plain_frame,
-    sample_ids,
-    until_next_turn,
-    vllm_engine,
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
 )
+
+from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
+from ..engines.hf import NarrativeGravityLogitsProcessor, processor_from_profile
+from ..engines.hf_generate import sample_ids
+from ..engines.options import GenerationOptions, check_engine
+from ..engines.prompts import encode_prompts, left_pad, plain_frame, until_next_turn
+from ..errors import ConfigurationError, NarrativeGravityError
+from ..fields import NarrativeField
 from ..gravity.thermo import Trace
 from ..lead import lead_sentence, reading_profile
-from ..profile import TOPIC_DEFAULTS, Profile
-from ..steer import field_from_profile, program_from_profile
+from ..models import load_model, load_tokenizer
+from ..profiles.build import field_from_profile, program_from_profile
+from ..profiles.schema import TOPIC_DEFAULTS, Profile, load_profile
 from .judge import DEFAULT_JUDGE
 from .metrics import Metric, MetricContext, Sample, resolve_metrics
-from .prompts import TOPIC_SETS, EvalPrompt, limit_prompts, load_prompts
+from .prompts import BUILT_IN_SETS, TOPIC_SETS, EvalPrompt, limit_prompts, load_prompts
 from .report import write_reports
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
-__all__ = ["AUTO", "CONTROL", "EvalSettings", "ResultStore", "check_engine_arms", "run_eval"]
+__all__ = ["AUTO", "BUILT_IN_SETS", "CONTROL", "EvalSettings", "ResultStore", "check_engine_arms", "run_eval"]
 
 AUTO = "auto"
 CHAT_FRAMES = (None, "template", "plain")
@@ -72,7 +81,7 @@ class EvalSettings:
     ``raw=None`` means: plain continuation for the built-in topic sets (``topics``, ``empath`` and their
     tuning splits: the protocol continues prefixes), chat otherwise. In chat, ``chat_frame`` ``template`` is the
     model's chat template and ``plain`` a "User:/Assistant:" frame for base models
-    (:data:`~narrative_gravity.generation.PLAIN_FRAME`; an answer ends where the model starts the next "User:"
+    (:data:`~narrative_gravity.engines.prompts.PLAIN_FRAME`; an answer ends where the model starts the next "User:"
     line); ``None``: the template where the tokenizer has one, else the plain frame. ``judge="none"`` turns the
     judge off (and with it ``judge_ppl``). ``engine`` is ``hf`` (transformers) or ``vllm`` (see the module doc).
     """
@@ -268,7 +277,6 @@ only; evaluate it with --engine hf, or leave it out of the vLLM run
 
 def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
     """Arms from ``--profile`` specs: a profile file, ``auto``, ``auto:TEMPLATE_FILE``, ``article``, ``weighted:λ``."""
-    from ..profile import load_profile
 
     arms: dict[str, _Arm] = {}
     for spec in specs:
@@ -293,7 +301,6 @@ def _load_arms(specs: Sequence[str]) -> dict[str, _Arm]:
 
 def make_plan(settings: EvalSettings, prompts: Sequence[EvalPrompt] | None = None) -> _Plan:
     """Load prompts and profiles, assign profiles to prompts, and cut the batches (see the module doc)."""
-    from ..profile import load_profile
 
     items = limit_prompts(prompts if prompts is not None else load_prompts(settings.prompts), settings.limit_prompts)
     arms = _load_arms(settings.profiles)
@@ -468,9 +475,9 @@ class _Runner:
         """A generated row as scored: in the plain frame, up to the model's own next "User:" line."""
         return until_next_turn(self.tok, ids) if self.plain_frame else ids
 
-    def options(self, seed: int, max_new_tokens: int | None = None) -> SamplingOptions:
+    def options(self, seed: int, max_new_tokens: int | None = None) -> GenerationOptions:
         """The run's sampling settings with ``seed`` (and another budget, for a warm-up)."""
-        return SamplingOptions(
+        return GenerationOptions(
             max_new_tokens=max_new_tokens or self.s.max_new_tokens,
             top_k=self.s.top_k,
             temperature=self.s.temperature,
@@ -511,7 +518,6 @@ class _Runner:
 
     def warmup(self) -> None:
         first = next(iter(self.plan.prompts.values()))
-        import torch
 
         ids = encode_prompts(self.tok, [first.text], raw=self.s.raw_mode)[0]
         opts = self.options(0, max_new_tokens=2)
@@ -528,15 +534,8 @@ class _Runner:
         return field_from_profile(self.plan.profile_for(arm, prompt), self.tok, model=self.model)
 
     def processor(self, arm: str, prompt: EvalPrompt, chunk: _Chunk) -> Any:
-        from ..engines.hf import NarrativeGravityLogitsProcessor
-        from ..fields import NarrativeField
-        from ..gravity.thermo import Trace
-        from ..steer import processor_from_profile
-
         base = self.plan.arms[arm].baseline if arm != CONTROL else None
         if base is not None:
-            from ..baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
-
             kind, lam = base
             if kind == "ask":
                 return None
@@ -556,7 +555,6 @@ class _Runner:
             )
         # Control measures with the field of the chunk's first profile that builds (narrative mass in the
         # trace); with none, a zero field still records entropy.
-        import torch
 
         for a in chunk.arms:
             try:
@@ -712,7 +710,7 @@ class _VLLMRunner(_Runner):
     def generate(self, prompts: Sequence[str], seed: int, processor: Any, lead: str | None = None) -> list[_Generated]:
         encoded = encode_prompts(self.tok, prompts, raw=self.s.raw_mode, lead=lead)
         t0 = time.perf_counter()
-        outs = self.gen.generate(encoded, self.options(seed), processor, record_trace=True)
+        outs = self.gen.generate(encoded, self.options(seed).replace(trace=True), processor)
         elapsed = time.perf_counter() - t0
         return [
             _Generated(
@@ -767,14 +765,17 @@ def run_eval(
     ``generator`` (a :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator`) replaces ``model`` and
     ``tokenizer``; by default one is started on ``settings.model``, sized for the prompts and ``batch_size``.
     """
-    from rich.console import Console
 
     console = console if console is not None else Console(stderr=True, soft_wrap=True)
     out = Path(out_dir)
     store = ResultStore(out / RESULTS)
     metrics = settings.metric_list()
     plan = make_plan(settings, prompts)
-    vllm_generate = vllm_engine() if settings.engine == "vllm" and generator is None else None
+    vllm_generate = None
+    if settings.engine == "vllm" and generator is None:
+        from ..engines import vllm_generate  # imports vLLM, which lives in its own venv: only for engine="vllm"
+
+        vllm_generate.require_vllm()
     manifest = run_manifest(settings, plan)
     run_file = out / RUN_FILE
     if resume and run_file.exists():
@@ -798,8 +799,6 @@ def run_eval(
         if vllm_generate is not None:
             generator = _start_vllm(vllm_generate, settings, plan, console)
         elif settings.engine == "hf" and (model is None or tokenizer is None):
-            from ..models import load_model
-
             with console.status(f"loading {settings.model or 'smollm2'}"):
                 model, tokenizer = load_model(settings.model)
         if ctx is None:
@@ -831,7 +830,6 @@ def run_eval(
 
 def _start_vllm(vllm_generate: Any, settings: EvalSettings, plan: _Plan, console: Any) -> Any:
     """A vLLM engine on ``settings.model`` for ``batch_size`` requests at once, long enough for every prompt."""
-    from ..models import load_tokenizer
 
     tok = load_tokenizer(settings.model)
     encoded = encode_prompts(tok, [p.text for p in plan.prompts.values()], raw=settings.raw_mode)
@@ -853,16 +851,6 @@ def _loop(
     progress: bool,
     console: Any,
 ) -> None:
-    from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     failures = ResultStore(out / FAILURES)
     bar = Progress(
         TextColumn("{task.description}"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,8 +24,9 @@ import torch
 
 from ..errors import ConfigurationError, FieldError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport, merge_fields
+from ..text import expand_tracked, word_list
 
-__all__ = ["build_lexical_field", "expand_keywords", "reach", "surface_forms", "weighted_lexical_field"]
+__all__ = ["build_lexical_field", "reach", "surface_forms", "weighted_lexical_field"]
 
 # Anchors put in front of a word to get its after-a-space form: encode("a planet") minus encode("a").
 _ANCHORS = ("a", "The", "x", "0", ".")
@@ -35,20 +36,6 @@ _CJK = re.compile(
     "\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff00-\uffef\U00020000-\U0003134f]"
 )
 PENALIZE_WINS = "also listed in penalize; penalize wins"
-
-
-def expand_keywords(words: Iterable[str]) -> list[str]:
-    """Split ``snake_case`` compounds into their words and keep the phrase; strip, drop empties, dedupe.
-
-    Runs of whitespace inside a phrase become one space. A single string counts as one word.
-
-    >>> expand_keywords(["binary_search", " planet ", "planet", "", "deep  space"])
-    ['binary', 'search', 'binary search', 'planet', 'deep space']
-    """
-    out: list[str] = []
-    for _raw, expanded in _expand_tracked(_as_list(words, "words")):
-        out.extend(expanded)
-    return list(dict.fromkeys(out))
 
 
 def surface_forms(tokenizer: Any, word: str) -> list[tuple[int, ...]]:
@@ -73,7 +60,7 @@ def reach(tokenizer: Any, words: Iterable[str], *, max_pieces: int | None = None
     """
     if max_pieces is not None and max_pieces < 1:
         raise FieldError(f"max_pieces must be >= 1, got {max_pieces}")
-    stripped = [" ".join(str(w).split()) for w in _as_list(words, "words")]
+    stripped = [" ".join(str(w).split()) for w in word_list(words, "words")]
     todo = list(dict.fromkeys(w for w in stripped if w))
     ok: dict[str, bool] = {}
     for w, a in zip(todo, _Tokenizer(tokenizer).analyze(todo)):
@@ -107,6 +94,49 @@ def build_lexical_field(
     Raises :class:`FieldError` when an argument is out of range or no core word is usable, and
     :class:`VocabularyError` when ``vocab_size`` is too small for the tokenizer's ids.
     """
+    vocab_size = _check_knobs(tokenizer, vocab_size, glued_weight, first_piece_weight, max_pieces)
+    core_words, pen_words, unusable = _expanded(core, penalize)
+    tk = _Tokenizer(tokenizer)
+    forms = _usable_forms(tk, list(dict.fromkeys(core_words + pen_words)), max_pieces, unusable)
+    positive, negative = _signed_forms(core_words, pen_words, forms, unusable)
+    used = {w: [tuple(tk.pieces(f.ids)) for f in fs] for w, fs in forms.items() if w not in unusable}
+    if not positive:
+        details = "; ".join(f"{w!r}: {unusable.get(w, 'not usable')}" for w in core_words)
+        raise FieldError(
+            f"none of the core words can be used with this tokenizer ({details}). Fix: check the spelling, "
+            f"drop or split long compounds, raise max_pieces (now {max_pieces}), remove the words from "
+            "penalize, and build the field with the tokenizer of the model you generate with"
+        )
+    too_big = sorted({i for _, f in positive + negative for i in f.ids if i >= vocab_size})
+    if too_big:
+        raise VocabularyError(
+            f"token ids {too_big[:10]} are outside vocab_size={vocab_size}; leave vocab_size unset "
+            f"(len(tokenizer) = {len(tokenizer)}) or pass the model's vocabulary size"
+        )
+    pos, neg, cont = _pulls(tk, positive, negative, glued_weight, first_piece_weight)
+    values = torch.zeros(vocab_size, dtype=torch.float32)
+    if pos:
+        ids = torch.tensor(list(pos), dtype=torch.long)
+        values[ids] = torch.tensor(list(pos.values()), dtype=torch.float32)
+    if neg:
+        values[torch.tensor(sorted(neg), dtype=torch.long)] = -1.0
+    prefixes = next_ids = next_values = None
+    if cont:
+        keys = sorted(cont, key=lambda k: (len(k[0]), k[0], k[1]))
+        width = max(len(p) for p, _ in keys)
+        prefixes = torch.tensor([[-1] * (width - len(p)) + list(p) for p, _ in keys], dtype=torch.long)
+        next_ids = torch.tensor([n for _, n in keys], dtype=torch.long)
+        next_values = torch.tensor([cont[k] for k in keys], dtype=torch.float32)
+    report = WordReport(used=used, unusable=unusable)
+    return NarrativeField(
+        values=values, prefixes=prefixes, next_ids=next_ids, next_values=next_values, report=report, name=name
+    )
+
+
+def _check_knobs(
+    tokenizer: Any, vocab_size: int | None, glued_weight: float, first_piece_weight: float, max_pieces: int
+) -> int:
+    """The field's width (``len(tokenizer)`` by default), after checking every knob of :func:`build_lexical_field`."""
     for label, w in (("glued_weight", glued_weight), ("first_piece_weight", first_piece_weight)):
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or not 0 <= w <= 1:
             raise FieldError(f"{label} must be a number in [0, 1], got {w!r}")
@@ -116,9 +146,14 @@ def build_lexical_field(
         vocab_size = len(tokenizer)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    return vocab_size
 
-    core_tracked = _expand_tracked(_as_list(core, "core"))
-    pen_tracked = _expand_tracked(_as_list(penalize, "penalize"))
+
+def _expanded(core: Iterable[str], penalize: Iterable[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """The core and penalize words after :func:`expand_keywords`, and why the raw words that left nothing are
+    unusable; at least one core word is required."""
+    core_tracked = expand_tracked(word_list(core, "core"))
+    pen_tracked = expand_tracked(word_list(penalize, "penalize"))
     unusable: dict[str, str] = {}
     for raw, expanded in [*core_tracked, *pen_tracked]:
         if not expanded:
@@ -128,9 +163,13 @@ def build_lexical_field(
     if not core_words:
         given = [raw for raw, _ in core_tracked]
         raise FieldError(f"no core word to build the field from (got {given!r}); pass at least one non-empty word")
+    return core_words, pen_words, unusable
 
-    tk = _Tokenizer(tokenizer)
-    words = list(dict.fromkeys(core_words + pen_words))
+
+def _usable_forms(
+    tk: _Tokenizer, words: list[str], max_pieces: int, unusable: dict[str, str]
+) -> dict[str, list[_Form]]:
+    """Each word's surface forms of at most ``max_pieces`` tokens; a word with none goes to ``unusable``."""
     forms: dict[str, list[_Form]] = {}
     for w, a in zip(words, tk.analyze(words)):
         fitting = [f for f in a.forms if len(f.ids) <= max_pieces]
@@ -141,11 +180,15 @@ def build_lexical_field(
             unusable[w] = f"needs {need} tokens, more than max_pieces={max_pieces}"
         else:
             forms[w] = fitting
+    return forms
 
+
+def _signed_forms(
+    core_words: list[str], pen_words: list[str], forms: dict[str, list[_Form]], unusable: dict[str, str]
+) -> tuple[list[tuple[str, _Form]], list[tuple[str, _Form]]]:
+    """The forms that pull and the forms that push away; a word both core and penalized is penalized only."""
     pen_keys = {w.casefold() for w in pen_words}
-    used: dict[str, list[tuple[str, ...]]] = {}
     positive: list[tuple[str, _Form]] = []
-    negative: list[tuple[str, _Form]] = []
     for w in core_words:
         if w not in forms:
             continue
@@ -153,30 +196,19 @@ def build_lexical_field(
             unusable[w] = PENALIZE_WINS
             continue
         positive.extend((w, f) for f in forms[w])
-    for w in pen_words:
-        if w in forms:
-            negative.extend((w, f) for f in forms[w])
-    for w, fs in forms.items():
-        if w not in unusable:
-            used[w] = [tuple(tk.pieces(f.ids)) for f in fs]
+    negative = [(w, f) for w in pen_words if w in forms for f in forms[w]]
+    return positive, negative
 
-    if not positive:
-        details = "; ".join(f"{w!r}: {unusable.get(w, 'not usable')}" for w in core_words)
-        raise FieldError(
-            f"none of the core words can be used with this tokenizer ({details}). Fix: check the spelling, "
-            f"drop or split long compounds, raise max_pieces (now {max_pieces}), remove the words from "
-            "penalize, and build the field with the tokenizer of the model you generate with"
-        )
 
-    all_ids = {i for _, f in positive + negative for i in f.ids}
-    too_big = sorted(i for i in all_ids if i >= vocab_size)
-    if too_big:
-        raise VocabularyError(
-            f"token ids {too_big[:10]} are outside vocab_size={vocab_size}; leave vocab_size unset "
-            f"(len(tokenizer) = {len(tokenizer)}) or pass the model's vocabulary size"
-        )
-
-    # Positive values on `values`, combined with max; a whitespace-only first piece gets nothing.
+def _pulls(
+    tk: _Tokenizer,
+    positive: list[tuple[str, _Form]],
+    negative: list[tuple[str, _Form]],
+    glued_weight: float,
+    first_piece_weight: float,
+) -> tuple[dict[int, float], set[int], dict[tuple[tuple[int, ...], int], float]]:
+    """Token values (positive, combined with max), penalized tokens, and the continuation table."""
+    # a whitespace-only first piece gets nothing
     firsts = sorted({f.ids[0] for _, f in positive if len(f.ids) > 1})
     blank = {i for i, s in zip(firsts, tk.decode([(i,) for i in firsts])) if not s.strip()}
     pos: dict[int, float] = {}
@@ -208,30 +240,7 @@ def build_lexical_field(
         for (p, n), v in cont.items()
         if not any((s := cont.get((p[j:], n))) is not None and (s == v or s < 0) for j in range(1, len(p)))
     }
-
-    values = torch.zeros(vocab_size, dtype=torch.float32)
-    if pos:
-        ids = torch.tensor(list(pos), dtype=torch.long)
-        values[ids] = torch.tensor(list(pos.values()), dtype=torch.float32)
-    if neg:
-        values[torch.tensor(sorted(neg), dtype=torch.long)] = -1.0
-
-    prefixes = next_ids = next_values = None
-    if cont:
-        keys = sorted(cont, key=lambda k: (len(k[0]), k[0], k[1]))
-        width = max(len(p) for p, _ in keys)
-        prefixes = torch.tensor([[-1] * (width - len(p)) + list(p) for p, _ in keys], dtype=torch.long)
-        next_ids = torch.tensor([n for _, n in keys], dtype=torch.long)
-        next_values = torch.tensor([cont[k] for k in keys], dtype=torch.float32)
-
-    return NarrativeField(
-        values=values,
-        prefixes=prefixes,
-        next_ids=next_ids,
-        next_values=next_values,
-        report=WordReport(used=used, unusable=unusable),
-        name=name,
-    )
+    return pos, neg, cont
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,28 +257,6 @@ class _Form:
 class _Analysis:
     forms: list[_Form]
     reason: str | None  # why no form is valid (None when `forms` is not empty)
-
-
-def _as_list(words: Iterable[str] | str, label: str) -> list[str]:
-    if isinstance(words, str):
-        return [words]
-    try:
-        return [str(w) for w in words]
-    except TypeError as exc:
-        raise FieldError(f"{label} must be an iterable of strings, got {type(words).__name__}") from exc
-
-
-def _expand_tracked(words: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """For each raw word, the words it expands to (empty list when nothing is left)."""
-    out = []
-    for raw in words:
-        parts = [" ".join(p.split()) for p in raw.split("_")]
-        parts = [p for p in parts if p]
-        expanded = list(parts)
-        if len(parts) > 1:
-            expanded.append(" ".join(parts))
-        out.append((raw, expanded))
-    return out
 
 
 def _case_variants(word: str) -> list[str]:

@@ -27,9 +27,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
+import wordfreq
 
 from ..errors import FieldError
-from . import semantic
+from . import cache as disk
+from . import minilm, semantic
 
 __all__ = ["neighbour_words"]
 
@@ -94,8 +96,8 @@ def neighbour_words(
             f"words and exclude, fewer than count={count}; raise vocabulary or lower count"
         )
 
-    cache = semantic.resolve_semantic_cache(cache_dir)
-    encode = semantic._minilm_encoder()
+    cache = disk.resolve_semantic_cache(cache_dir)
+    encode = minilm.encoder()
     emb = _word_matrix(candidates, encode, cache, progress)
     topic_vecs = encode(texts).float()
     z = semantic._zscores(emb, topic_vecs, torch.ones(len(candidates), dtype=torch.bool), center=True)
@@ -113,7 +115,6 @@ def neighbour_words(
 
 def _candidate_words(vocabulary: int) -> list[str]:
     """Lowercase alphabetic words of at least three letters among wordfreq's ``vocabulary`` most frequent."""
-    import wordfreq
 
     return [w for w in wordfreq.top_n_list("en", vocabulary) if _WORD.fullmatch(w)]
 
@@ -121,7 +122,7 @@ def _candidate_words(vocabulary: int) -> list[str]:
 def _minilm_version() -> str:
     """The MiniLM weights (file size) and the installed package's version: a new release is a new key."""
     try:
-        version = importlib.metadata.version(semantic.MINILM_MODULE.replace("_", "-"))
+        version = importlib.metadata.version(minilm.MINILM_MODULE.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     return f"{semantic._source_id('minilm', None)}:{version}"
@@ -132,12 +133,12 @@ def _word_matrix(words: list[str], encode: Callable[..., torch.Tensor], cache: P
     digest = hashlib.sha256(json.dumps(words, ensure_ascii=False).encode()).hexdigest()
     key = f"words-v{_CACHE_VERSION}-{digest}-{_minilm_version()}"
     path = cache / "words" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
-    stored = semantic._load(path)
+    stored = disk.load(path)
     emb = stored.get("emb") if stored is not None and stored.get("key") == key else None
     if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] == len(words):
-        semantic._touch(path)
+        disk.touch(path)
         return emb.float()
-    vecs = semantic.encode_with_progress(encode, words, f"{len(words)} words (once per word list)", progress)
+    vecs = minilm.encode_with_progress(encode, words, f"{len(words)} words (once per word list)", progress)
     emb = vecs.to(torch.float16)
-    semantic._save(path, {"key": key, "emb": emb})
+    disk.save(path, {"key": key, "emb": emb})
     return emb.float()

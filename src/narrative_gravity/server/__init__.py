@@ -8,31 +8,20 @@ Start it with ``ngrav serve`` (see ``docs/server.md``), or build the app yoursel
     app = create_app(backend, config=ServerConfig(api_key="secret"))   # any ASGI server runs it
 
 Requests are the OpenAI chat and completions requests plus one field, ``gravity``: an inline profile mapping,
-or ``{"profile": "name"}`` (optionally ``"version": N``) from the :class:`~narrative_gravity.store.ProfileStore`.
+or ``{"profile": "name"}`` (optionally ``"version": N``) from the :class:`~narrative_gravity.profiles.store.ProfileStore`.
 Concurrent requests are batched into one ``model.generate`` call (see :mod:`.scheduler`).
 
-Only :mod:`.app` needs FastAPI and uvicorn; the backend, scheduler and helpers import without them.
+The rooms: :mod:`.app` (wiring), :mod:`.routes` (one router per group), :mod:`.backends` (the engines),
+:mod:`.scheduler` (batching), :mod:`.protocol` and :mod:`.schemas` (the wire format), :mod:`.limits` (what a
+request may ask for), :mod:`.telemetry` (Prometheus).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from .app import create_app, serve
+from .backends import make_backend
+from .backends.base import Backend
+from .backends.hf import HFBackend
+from .config import ServerConfig
 
 __all__ = ["Backend", "HFBackend", "ServerConfig", "create_app", "make_backend", "serve"]
-
-_WHERE = {
-    "Backend": ".backend",
-    "make_backend": ".factory",
-    "HFBackend": ".hf",
-    "ServerConfig": ".config",
-    "create_app": ".app",
-    "serve": ".app",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

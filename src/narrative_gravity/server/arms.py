@@ -1,6 +1,6 @@
 """Record what each arm of a stored profile did: one :class:`ArmRecord` per finished request or shadow run (a
 client's own ``measure_only`` request is no arm of the profile and is not recorded), to
-``/metrics`` (per profile and arm) and to the profile's arm log in the store (:mod:`~narrative_gravity.armlog`),
+``/metrics`` (per profile and arm) and to the profile's arm log in the store (:mod:`~narrative_gravity.profiles.armlog`),
 which ``ngrav profile report`` and ``GET /v1/profiles/NAME/report`` read.
 
 What a record holds, per request (means over its rows, each row's trace means over its own tokens):
@@ -9,7 +9,7 @@ What a record holds, per request (means over its rows, each row's trace means ov
   and before the pull (equal for a shadow, which does not pull); ``kl``: KL(p'‖p) per token, in nats;
 - ``off_topic_rate``: the share of generated tokens (end-of-sequence tokens left out) whose field value was ≤ 0
   when chosen, against the profile's own field (the shadow: against the field of the version it shadows); that is
-  1 − the narrative-token rate of :func:`~narrative_gravity.metrics.narrative_token_rate`;
+  1 − the narrative-token rate of :func:`~narrative_gravity.eval.text_metrics.narrative_token_rate`;
 - ``completion_tokens``, ``latency_s`` (request to last token; a shadow: from its start), ``ttft_s``;
 - ``of``: for a shadow, the id of the request it shadows (the pair the report compares).
 
@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..store import ProfileStore
-from .backend import Backend, ResolvedGravity, RowStats
-from .metrics import Metrics
+from ..eval.text_metrics import token_field_values
+from ..profiles.build import field_from_profile
+from ..profiles.store import ProfileStore
+from .backends.base import Backend, ResolvedGravity, RowStats
+from .telemetry import Metrics
 
 __all__ = ["ArmRecord", "ArmRecorder", "mean_stats"]
 
@@ -94,8 +96,6 @@ class ArmRecorder:
     def off_topic_rate(self, gravity: ResolvedGravity, rows: Sequence[tuple[list[int], list[int]]]) -> float | None:
         """Share of the rows' generated tokens (``(prompt ids, token ids)`` each) with a field value ≤ 0 under
         ``gravity``'s field; ``None`` when there are no tokens or the field cannot be built here."""
-        from ..metrics import token_field_values
-        from ..steer import field_from_profile
 
         eos = self.backend.eos_ids
         rows = [(p, [t for t in toks if t not in eos]) for p, toks in rows]

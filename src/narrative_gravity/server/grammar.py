@@ -32,6 +32,12 @@ from transformers import LogitsProcessor
 from ..errors import ConfigurationError
 from .structured import ResponseFormat
 
+try:  # the `structured` extra; without it a request with `response_format` gets a 400 naming the install
+    import llguidance
+    import llguidance.hf  # the Hugging Face tokenizer bridge
+except ImportError:  # pragma: no cover - depends on the environment
+    llguidance = None  # type: ignore[assignment]
+
 __all__ = ["GrammarLogitsProcessor", "GuidanceGrammars", "unpack_bitmask"]
 
 _INSTALL = "pip install 'narrative-gravity[structured]'"
@@ -40,11 +46,8 @@ _BIT_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _llguidance() -> Any:
-    try:
-        import llguidance
-        import llguidance.hf  # the Hugging Face tokenizer bridge
-    except ImportError:
-        raise ConfigurationError(f"structured output on the transformers engine needs llguidance: {_INSTALL}") from None
+    if llguidance is None:
+        raise ConfigurationError(f"structured output on the transformers engine needs llguidance: {_INSTALL}")
     return llguidance
 
 

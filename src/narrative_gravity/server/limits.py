@@ -7,7 +7,7 @@ built gets a ``400`` of its own instead of failing a batch that other requests s
 
 Each limit names the ``ngrav serve`` flag that raises it:
 
->>> from narrative_gravity.profile import Profile
+>>> from narrative_gravity.profiles.schema import Profile
 >>> from narrative_gravity.server.config import ServerConfig
 >>> many = Profile.from_mapping({"core_semantics": ["orbit"], "stages": [{"core_semantics": ["a"]}] * 20})
 >>> check_profile(many, ServerConfig())  # doctest: +ELLIPSIS
@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 
 from ..errors import NarrativeGravityError
-from ..profile import Profile
-from .backend import Backend, ResolvedGravity
+from ..profiles.schema import Profile
+from ..text import unencodable
+from .backends.base import Backend, ResolvedGravity
 from .config import ServerConfig
-from .protocol import APIError, unencodable
+from .protocol import APIError
 
 __all__ = ["check_gravity", "check_profile"]
 

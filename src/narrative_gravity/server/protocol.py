@@ -37,6 +37,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engines.options import GenerationOptions
+from ..text import unencodable
+
 __all__ = [
     "APIError",
     "ChatRequest",
@@ -47,7 +50,6 @@ __all__ = [
     "generation_params",
     "parse_json",
     "parse_request",
-    "unencodable",
 ]
 
 _TYPES = {
@@ -127,35 +129,6 @@ def parse_json(body: bytes) -> Any:
     return data
 
 
-def unencodable(data: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (or key) in ``data`` that UTF-8 cannot encode, else ``None``.
-
-    >>> unencodable({"a": ["ok", "\\ud800"]})
-    'a.1'
-    >>> unencodable({"a": "fine"}) is None
-    True
-    """
-    stack: list[tuple[str, Any]] = [(path, data)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return where or "body"
-        elif isinstance(value, dict):
-            items = list(value.items())
-            for key, item in reversed(items):
-                child = f"{where}.{key}" if where else str(key)
-                if isinstance(key, str) and unencodable(key) is not None:
-                    return (where + "." if where else "") + repr(key)
-                stack.append((child, item))
-        elif isinstance(value, (list, tuple)):
-            for i in reversed(range(len(value))):
-                stack.append((f"{where}.{i}" if where else str(i), value[i]))
-    return None
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -203,7 +176,7 @@ class ChatRequest(_Request):
     response_format: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
-    documents: Any = None  # an extension: retrieved passages for the pipeline (narrative_gravity.pipeline)
+    documents: Any = None  # an extension: retrieved passages for the pipeline (narrative_gravity.levels.pipeline)
 
 
 class CompletionRequest(_Request):
@@ -261,6 +234,12 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     include_trace: bool = False  # stream_options.include_trace: each chunk lists its tokens (ids and stats)
+
+    def options(self, *, seed: int) -> GenerationOptions:
+        """One row's budget and sampling (each row of a request has its own ``seed``)."""
+        return GenerationOptions(
+            max_new_tokens=self.max_tokens, top_k=self.top_k, temperature=self.temperature, top_p=self.top_p, seed=seed
+        )
 
 
 def generation_params(req: _Request, *, default_max_tokens: int, max_tokens_limit: int) -> GenerationParams:

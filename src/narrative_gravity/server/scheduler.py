@@ -1,7 +1,5 @@
-"""Batch concurrent requests into one ``generate`` call at a time, or hand them to an engine that batches by step.
-
-:func:`make_scheduler` picks :class:`ContinuousScheduler` for a
-:class:`~narrative_gravity.server.backend.ContinuousBackend` (vLLM) and :class:`BatchScheduler` otherwise.
+"""Batch concurrent requests into one ``generate`` call at a time (:class:`BatchScheduler`), and the rows and jobs
+every scheduler shares.
 
 **BatchScheduler.**
 Each request becomes one or more rows (prompts × ``n``) in a FIFO queue. A single scheduler task takes the
@@ -37,10 +35,7 @@ runs the same way, beside the engine's own thread. PyTorch hands its latest sett
 later, so in a process that embeds the server, a new thread of your own that runs tensor work should call
 ``torch.set_num_threads`` first.
 
-**ContinuousScheduler.** Each request's rows go to the engine as soon as they arrive and join its running batch
-at its next step; rows leave it one by one as they finish. The engine's thread reports each step's events once,
-and one ``loop.call_soon_threadsafe`` per step puts them on the requests' queues, as above. A row the engine
-refuses or fails gets its own ``error``; too many rows in flight answer ``429``.
+The scheduler of engines that admit rows at any step is :mod:`.continuous`.
 """
 
 from __future__ import annotations
@@ -56,20 +51,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .backend import (
-    Backend,
-    ContinuousBackend,
-    GenerationRow,
-    ResolvedGravity,
-    RowStats,
-    Sampling,
-    TokenStats,
-)
-from .config import ServerConfig
-from .metrics import Metrics
-from .protocol import APIError
+import torch
 
-__all__ = ["BatchScheduler", "ContinuousScheduler", "Job", "Row", "make_scheduler"]
+from ..engines.options import GenerationOptions
+from .backends.base import Backend, ResolvedGravity, RowStats, TokenStats
+from .protocol import APIError
+from .telemetry import Metrics
+
+__all__ = ["BatchScheduler", "Job", "Row", "not_accepting", "run_on", "shutting_down", "side_executor"]
 
 T = TypeVar("T")
 _SIDE_THREADS = 4  # side work that waits on generation (plan drafts) must not hold up the rest
@@ -79,26 +68,24 @@ _SIDE_THREADS = 4  # side work that waits on generation (plan drafts) must not h
 def _generate_threads() -> int:
     """The intra-op threads ``generate`` gets: the process's setting when the first scheduler started (later
     threads would read what the side threads set, one)."""
-    import torch
 
     return torch.get_num_threads()
 
 
 def _set_intra_op_threads(n: int) -> None:
     """Executor initializer: this thread's intra-op threads (OpenMP and MKL settings are per thread)."""
-    import torch
 
     torch._C.set_num_threads(n)  # not ``torch.set_num_threads``: an in-process vLLM replaces it with a no-op
 
 
-def _side_executor() -> ThreadPoolExecutor:
+def side_executor() -> ThreadPoolExecutor:
     """Threads for the work beside decoding: one intra-op thread each, so they start no OpenMP pool."""
     return ThreadPoolExecutor(
         max_workers=_SIDE_THREADS, thread_name_prefix="ngrav-side", initializer=_set_intra_op_threads, initargs=(1,)
     )
 
 
-async def _run_on(executor: ThreadPoolExecutor | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+async def run_on(executor: ThreadPoolExecutor | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
     if executor is None:  # not started: a plain worker thread
         return await asyncio.to_thread(fn, *args)
     return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
@@ -109,13 +96,13 @@ log = logging.getLogger("narrative_gravity.server")
 
 @dataclass(eq=False)
 class Row:
-    """One sequence to generate: a choice of a request (see :class:`~narrative_gravity.server.backend.GenerationRow`)."""
+    """One sequence to generate: a choice of a request (see :class:`~narrative_gravity.server.backends.base.GenerationRow`)."""
 
     job: Job
     index: int
     prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
+    options: GenerationOptions
+    """The row's budget (``max_new_tokens``) and sampling."""
     gravity: ResolvedGravity | None
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
@@ -127,6 +114,10 @@ class Row:
     response_format: Any = None  # a structured.ResponseFormat: the reply must be JSON matching its schema
     plain_prompt_ids: list[int] | None = None
     """The prompt without the profile's topic sentence (``lead``), where it has one: what a shadow reads."""
+
+    @property
+    def max_tokens(self) -> int:
+        return self.options.max_new_tokens
 
 
 class Job:
@@ -195,7 +186,7 @@ class BatchScheduler:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ngrav-generate", initializer=_set_intra_op_threads, initargs=(threads,)
         )
-        self._side = _side_executor()
+        self._side = side_executor()
         self._task = asyncio.create_task(self._run(), name="ngrav-scheduler")
 
     async def run_side(self, fn: Callable[..., T], /, *args: Any) -> T:
@@ -211,12 +202,12 @@ class BatchScheduler:
         >>> asyncio.run(demo())
         3
         """
-        return await _run_on(self._side, fn, args)
+        return await run_on(self._side, fn, args)
 
     async def stop(self) -> None:
         """Refuse new rows, fail the queued ones with ``503``, cancel the running batch and wait for it."""
         self._closed = True
-        gone = _shutting_down()
+        gone = shutting_down()
         while self._pending or self._background:
             row = (self._pending or self._background).popleft()
             row.job.deliver(row.index, "error", gone)
@@ -235,7 +226,7 @@ class BatchScheduler:
         """Queue a request's rows, all or none; ``429`` when they do not fit. ``background`` rows wait for idle
         time and give way to every other row (see the module doc)."""
         if self._closed or self._wake is None:
-            raise _not_accepting()
+            raise not_accepting()
         if background:
             if len(self._background) + len(rows) > self.max_queue:
                 raise APIError(429, "too many background rows are queued", code="queue_full")
@@ -408,129 +399,9 @@ class _Replay:
         return [None]
 
 
-def _shutting_down() -> APIError:
+def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
 
 
-def _not_accepting() -> APIError:
+def not_accepting() -> APIError:
     return APIError(503, "the server is not accepting requests (starting or shutting down)", code="unavailable")
-
-
-class ContinuousScheduler:
-    """Hands rows to a continuous backend as they arrive (see the module doc); the same surface as
-    :class:`BatchScheduler`.
-
-    Args:
-        backend: the engine; it admits rows at any step.
-        max_rows: the most rows in flight (waiting in the engine or decoding); more get ``429``.
-        metrics: where engine steps, gravity rows and the engine's own collectors go.
-    """
-
-    def __init__(self, backend: ContinuousBackend, *, max_rows: int = 128, metrics: Metrics | None = None) -> None:
-        if max_rows < 1:
-            raise ValueError(f"`max_rows` has to be >= 1, but is {max_rows}")
-        self.backend = backend
-        self.max_rows = max_rows
-        self.metrics = metrics if metrics is not None else Metrics()
-        self._live: set[Row] = set()
-        self._side: ThreadPoolExecutor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-        self._registered = False
-
-    @property
-    def queued(self) -> int:
-        return self.backend.in_flight()[0]
-
-    @property
-    def running(self) -> int:
-        return self.backend.in_flight()[1]
-
-    async def run_side(self, fn: Callable[..., T], /, *args: Any) -> T:
-        """``fn(*args)`` off the event loop, on a side thread with one intra-op thread (the engine's own thread
-        decodes; see the module doc)."""
-        return await _run_on(self._side, fn, args)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._side = _side_executor()
-        if not self._registered:
-            self.metrics.register(self.backend.collectors())
-            self._registered = True
-
-    async def stop(self) -> None:
-        """Refuse new rows, fail the rows in flight with ``503``, abort them in the engine and stop its thread."""
-        self._closed = True
-        gone = _shutting_down()
-        for row in list(self._live):  # their readers must not wait for the engine
-            row.cancelled = True
-            row.job.deliver(row.index, "error", gone)
-        self._live.clear()
-        await asyncio.get_running_loop().run_in_executor(None, self.backend.close)
-        if self._side is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._side.shutdown)
-
-    def submit(self, rows: Sequence[Row], *, background: bool = False) -> None:
-        """Hand a request's rows to the engine, all or none; ``429`` when they would pass ``max_rows``.
-
-        ``background`` rows join the running batch like any other (a row costs the batch little per step); the
-        caller decides whether there is room for them."""
-        for row in rows:
-            row.background = background
-        if self._closed or self._loop is None:
-            raise _not_accepting()
-        if len(self._live) + len(rows) > self.max_rows:
-            raise APIError(
-                429,
-                f"the server is busy: {len(self._live)} rows are in flight (limit {self.max_rows}); retry shortly",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
-        self._live.update(rows)
-        self.backend.submit(rows, self._on_events)
-
-    def _on_events(self, events: list[tuple[GenerationRow, str, Any]]) -> None:  # runs in the engine's thread
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is listening any more
-            self._loop.call_soon_threadsafe(self._deliver, events)
-
-    def _deliver(self, events: list[tuple[GenerationRow, str, Any]]) -> None:
-        advanced: set[int] = set()
-        for row, kind, payload in events:
-            assert isinstance(row, Row)
-            if kind == "token":
-                advanced.add(id(row))
-                if row.cancelled:
-                    continue
-                row.sent.append(payload)
-            elif kind == "stats":  # the measurements of the token that follows
-                if row.cancelled:
-                    continue
-            elif row not in self._live:  # already failed by stop()
-                continue
-            else:
-                self._live.discard(row)
-                if kind == "end" and row.gravity is not None and payload.narrative_mass is not None:
-                    self.metrics.gravity_row(row.gravity.label, payload.narrative_mass, payload.kl or 0.0)
-            row.job.deliver(row.index, kind, payload)
-        if advanced:
-            self.metrics.engine_step(len(advanced))
-
-
-def make_scheduler(
-    backend: Backend, config: ServerConfig, metrics: Metrics | None = None
-) -> BatchScheduler | ContinuousScheduler:
-    """The scheduler for ``backend``: rows admitted at any step on a :class:`ContinuousBackend`, batches otherwise.
-
-    A continuous engine decodes up to ``config.max_batch_size`` rows per step (the engine's own limit) and keeps
-    up to ``config.max_queue`` more waiting.
-    """
-    if isinstance(backend, ContinuousBackend):
-        return ContinuousScheduler(backend, max_rows=config.max_batch_size + config.max_queue, metrics=metrics)
-    return BatchScheduler(
-        backend,
-        max_batch_size=config.max_batch_size,
-        window_s=config.batch_window_ms / 1000.0,
-        max_queue=config.max_queue,
-        metrics=metrics,
-    )

@@ -3,7 +3,7 @@ shadow for it, the same request runs again without gravity, in the background.
 
 The shadow has the request's prompt ids (without the profile's topic sentence, ``lead``: plain decoding reads the
 prompt as it came) and sampling settings (seed included), and the ``measure_only`` profile of
-the version that answered it (:meth:`~narrative_gravity.server.gravity.GravityResolver.shadow_of`), so its narrative
+the version that answered it (:meth:`~narrative_gravity.server.resolver.GravityResolver.shadow_of`), so its narrative
 mass, entropy and off-topic rate are measured against the same field while nothing pulls. Its text is never sent.
 
 Why a shadow never fails or slows the request it shadows, and costs at most what it measures:
@@ -28,24 +28,37 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..rollout import SPLIT_A, SPLIT_B
+from ..profiles.rollout import SPLIT_A, SPLIT_B
 from .arms import ArmRecord, ArmRecorder, mean_stats
-from .backend import Backend, ResolvedGravity, RowStats
+from .backends.base import Backend, ResolvedGravity, RowStats
 from .config import ServerConfig
-from .gravity import GravityResolver
+from .continuous import ContinuousScheduler
 from .limits import check_gravity
-from .metrics import Metrics
 from .protocol import APIError
-from .scheduler import BatchScheduler, ContinuousScheduler, Job
+from .resolver import GravityResolver
+from .scheduler import BatchScheduler, Job
+from .telemetry import Metrics
 
-__all__ = ["FollowUps"]
+__all__ = ["Answered", "FollowUps"]
 
 log = logging.getLogger("narrative_gravity.server")
 
 _DRAIN_TIMEOUT_S = 600.0  # a row's end arrives long before; this only keeps a stuck engine from leaking tasks
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What answering a request took: its id and endpoint, its tokens, and its times in seconds."""
+
+    request_id: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+    ttft: float | None
 
 
 class FollowUps:
@@ -73,31 +86,21 @@ class FollowUps:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def finished(
-        self,
-        *,
-        job: Job,
-        gravity: ResolvedGravity | None,
-        stats: dict[int, RowStats],
-        request_id: str,
-        endpoint: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        seconds: float,
-        ttft: float | None,
+        self, *, job: Job, gravity: ResolvedGravity | None, stats: dict[int, RowStats], answer: Answered
     ) -> None:
         """A request's answer is complete: record it (and run its shadow) in the background. Event loop only."""
         if gravity is None or gravity.name is None or gravity.version is None or gravity.arm is None:
             return
         main = ArmRecord(
-            request=request_id,
+            request=answer.request_id,
             profile=gravity.name,
             version=gravity.version,
             arm=gravity.arm,
-            completion_tokens=completion_tokens,
-            latency_s=seconds,
-            prompt_tokens=prompt_tokens,
-            ttft_s=ttft,
-            endpoint=endpoint,
+            completion_tokens=answer.completion_tokens,
+            latency_s=answer.seconds,
+            prompt_tokens=answer.prompt_tokens,
+            ttft_s=answer.ttft,
+            endpoint=answer.endpoint,
         )
         task = asyncio.create_task(self._follow(job, gravity, dict(stats), main), name="ngrav-follow-up")
         self._tasks.add(task)
@@ -204,7 +207,8 @@ class FollowUps:
             same = {"response_format": row.response_format} if getattr(row, "response_format", None) else {}
             trace = isinstance(self.scheduler, ContinuousScheduler)  # see wants_means
             ids = row.plain_prompt_ids if getattr(row, "plain_prompt_ids", None) is not None else row.prompt_ids
-            sjob.add(prompt_ids=ids, max_tokens=cap, sampling=row.sampling, gravity=shadow, trace=trace, **same)
+            options = row.options.replace(max_new_tokens=cap)
+            sjob.add(prompt_ids=ids, options=options, gravity=shadow, trace=trace, **same)
         if not self._room(len(caps)):  # checked again: the build above may have taken a while
             self.metrics.shadow_skip(name, "load")
             return False

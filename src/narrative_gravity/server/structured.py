@@ -31,6 +31,11 @@ from typing import Any
 from ..errors import ConfigurationError, NarrativeGravityError
 from .protocol import APIError
 
+try:  # the `structured` extra; without it a request with `response_format` gets a 400 naming the install
+    from jsonschema import Draft202012Validator, SchemaError, validators
+except ImportError:  # pragma: no cover - depends on the environment
+    validators = None  # type: ignore[assignment]
+
 __all__ = [
     "GRAMMAR_OPTIONS",
     "JSON_OBJECT_SCHEMA",
@@ -177,10 +182,8 @@ def check_schema(schema: dict[str, Any]) -> None:
             f"`response_format.json_schema.schema` nests {depth} levels deep, above this server's limit of "
             f"{MAX_SCHEMA_DEPTH}; flatten it"
         )
-    try:
-        from jsonschema import Draft202012Validator, SchemaError, validators
-    except ImportError:
-        raise _bad(f"`response_format` needs jsonschema on this server: {_INSTALL}", code="unsupported") from None
+    if validators is None:
+        raise _bad(f"`response_format` needs jsonschema on this server: {_INSTALL}", code="unsupported")
     try:
         validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
@@ -217,8 +220,6 @@ def reply_errors(fmt: ResponseFormat | dict[str, Any], text: str) -> str | None:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         return f"the reply is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-    from jsonschema import Draft202012Validator, validators
-
     validator = validators.validator_for(schema, default=Draft202012Validator)(schema)
     error = next(iter(validator.iter_errors(value)), None)
     return None if error is None else f"the reply does not match the schema: {error.message}"

@@ -1,0 +1,1 @@
+"""The ``ngrav`` command line: :mod:`.main` builds the app, one module per command group."""

@@ -1,0 +1,252 @@
+"""What every ``ngrav`` command shares: the one-line error that ends a user mistake, ``--debug``, the checks that
+run before a model loads, and the options several commands take.
+
+Only light modules are imported here (no torch), so that ``ngrav --help`` starts fast; each command imports the
+heavy parts it runs inside its own function.
+
+>>> try:
+...     fail("--prompts 'x.txt' does not exist; check the path")
+... except typer.Exit as exc:
+...     exc.exit_code
+2
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import NarrativeGravityError
+from ..models import load_model, load_tokenizer, resolve_model
+from ..profiles.schema import Profile, load_profile
+from ..text import unencodable
+
+__all__ = [
+    "DeviceOpt",
+    "EngineOpt",
+    "MaxNewOpt",
+    "ModelOpt",
+    "RawOpt",
+    "SeedOpt",
+    "TempOpt",
+    "TopKOpt",
+    "check_encoder",
+    "check_model",
+    "check_output",
+    "fail",
+    "finite",
+    "guarded",
+    "load",
+    "load_vllm",
+    "read_jsonl",
+    "read_profile",
+    "read_prompts",
+    "read_text",
+    "set_debug",
+    "tokenizer",
+    "vllm_engine",
+]
+
+T = TypeVar("T")
+_state = {"debug": False}
+
+
+def set_debug(on: bool) -> None:
+    """``ngrav --debug``: errors print their traceback, too."""
+    _state["debug"] = bool(on)
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` on stderr (with the traceback under ``--debug``) and exit with code 2."""
+    console = Console(stderr=True, soft_wrap=True)
+    if _state["debug"] and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    raise typer.Exit(2)
+
+
+def guarded(fn: Callable[[], T]) -> T:
+    """``fn()``, with a :class:`~narrative_gravity.errors.NarrativeGravityError` turned into one error line."""
+    try:
+        return fn()
+    except NarrativeGravityError as exc:
+        fail(str(exc))
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuse ``nan`` and ``inf``."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number; give e.g. 0.7 (0 = greedy)")
+    return value
+
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a HF folder or a .gguf file")
+]
+RawOpt = Annotated[bool, typer.Option("--raw", help="plain continuation, no chat template")]
+MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
+TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy decoding")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
+EngineOpt = Annotated[
+    str, typer.Option("--engine", help="hf (transformers, default) or vllm (in-process vLLM, from .venv-vllm)")
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="transformers engine: cpu, cuda, cuda:N, mps or auto (CUDA, MPS, else CPU)")
+]
+
+
+def read_text(path: Path, flag: str) -> str:
+    """The UTF-8 text of an input file, or one error line naming ``flag``, the path and the fix."""
+    if not path.exists():
+        fail(f"{flag} {str(path)!r} does not exist; check the path")
+    if path.is_dir():
+        fail(f"{flag} {str(path)!r} is a folder; give a file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        fail(f"{flag} {str(path)!r} cannot be read: {exc.strerror or exc}; check its permissions")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        fail(
+            f"{flag} {str(path)!r} is not UTF-8 text (byte {exc.start}, line {line}); save it as UTF-8, e.g. "
+            f"iconv -f latin1 -t utf-8 {path} > fixed.txt"
+        )
+
+
+def read_jsonl(path: Path, flag: str, field: str | None) -> list[Any]:
+    """The values of a JSONL file (blank lines skipped), each an object with a string ``field`` unless ``field`` is
+    ``None``; or one error line."""
+    rows = []
+    for n, line in enumerate(read_text(path, flag).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            fail(
+                f"{path}:{n}: not valid JSON ({exc.msg}); each line must be an object with a `{field or 'text'}` field"
+            )
+        if field is not None and (not isinstance(row, dict) or not isinstance(row.get(field), str)):
+            fail(f"{path}:{n}: each line must be a JSON object with a string `{field}` field")
+        rows.append(row)
+    return rows
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line (``.txt``), or JSONL with a ``prompt`` field; an empty file is an error."""
+    if path.suffix.lower() == ".jsonl":
+        prompts = [row["prompt"] for row in read_jsonl(path, "--prompts", "prompt")]
+    else:
+        prompts = [line for line in read_text(path, "--prompts").splitlines() if line.strip()]
+    if not prompts:
+        fail(f"prompt file {str(path)!r} has no prompts; write one prompt per line (.txt) or JSONL with `prompt`")
+    return prompts
+
+
+def check_output(path: Path | None, flag: str, *, folder: bool = False) -> None:
+    """Fail now, before a model loads, if ``path`` cannot be written (``folder``: a folder to write into)."""
+    if path is None:
+        return
+    if folder:
+        if path.exists() and not path.is_dir():
+            fail(f"{flag} {str(path)!r} is a file, but a folder is needed; choose another path")
+    elif path.is_dir():
+        fail(f"{flag} {str(path)!r} is a folder; give a file path inside it, e.g. {path / 'out.jsonl'}")
+    parent = path if folder else path.parent
+    for up in (parent, *parent.parents):
+        if up.exists():
+            if not up.is_dir():
+                fail(f"{flag} {str(path)!r} cannot be created: {str(up)!r} is a file, not a folder")
+            if not os.access(up, os.W_OK | os.X_OK):
+                fail(f"{flag} {str(path)!r} cannot be created: {str(up)!r} is not writable")
+            break
+    if not folder and path.exists() and not os.access(path, os.W_OK):
+        fail(f"{flag} {str(path)!r} is not writable; choose another path")
+
+
+def check_model(model: str | None) -> None:
+    """Fail now if ``--model`` names nothing loadable (a missing path, a file that is not GGUF)."""
+    source = guarded(lambda: resolve_model(model))
+    if source.gguf_file is not None:
+        path = source.folder / source.gguf_file
+        try:
+            with path.open("rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            fail(f"--model {str(path)!r} cannot be read: {exc.strerror or exc}")
+        if magic != b"GGUF":
+            fail(
+                f"--model {str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); give a "
+                "real .gguf file, a Hugging Face model folder, smollm2 or gemma3-270m"
+            )
+
+
+def check_encoder(name: str) -> None:
+    """``--encoder`` must be ``minilm`` (the default) or ``hashing``."""
+    if name not in ("minilm", "hashing"):
+        fail(f"--encoder must be minilm or hashing, got {name!r}")
+
+
+def read_profile(path: Path) -> Profile:
+    """A profile file, validated; text that cannot be encoded (a lone surrogate) is refused by name."""
+    prof = guarded(lambda: load_profile(path))
+    bad = unencodable(prof.model_dump(mode="python"))
+    if bad is not None:
+        fail(f"--profile {str(path)!r}: `{bad}` holds text that cannot be encoded as UTF-8 (a lone surrogate?)")
+    return prof
+
+
+def load(model: str | None, device: str = "cpu") -> tuple[Any, Any]:
+    """The model and its tokenizer, or one error line (a missing or damaged model)."""
+    check_model(model)
+    with Console(stderr=True).status(f"loading {model or 'smollm2'} (first use converts the GGUF once, ~30 s)"):
+        try:
+            return load_model(model, device=device)
+        except NarrativeGravityError as exc:
+            fail(str(exc))
+        except (OSError, ValueError, RuntimeError) as exc:  # a damaged model file
+            fail(f"--model {model or 'smollm2'} cannot be loaded: {exc}; check the file or folder")
+
+
+def tokenizer(model: str | None) -> Any:
+    """The tokenizer of ``--model``, or one error line."""
+    return guarded(lambda: load_tokenizer(model))
+
+
+def vllm_engine() -> ModuleType:
+    """:mod:`narrative_gravity.engines.vllm_generate`, or one error line naming the setup when vLLM cannot be
+    imported here."""
+    from ..engines import vllm_generate  # imports vLLM, which lives in its own venv: only for --engine vllm
+
+    guarded(vllm_generate.require_vllm)
+    return vllm_generate
+
+
+def load_vllm(model: str | None, texts: list[str], options: Any, profile: Profile | None = None) -> Any:
+    """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` for ``options.batch_size`` requests at
+    once, sized for the longest of ``texts`` (after ``profile``'s topic sentence) plus its budget; or one error
+    line."""
+    engine = vllm_engine()
+    check_model(model)
+    tok = tokenizer(model)
+    with Console(stderr=True).status(f"starting vLLM on {model or 'smollm2'} (~30 s on a CPU)"):
+        try:
+            return engine.VLLMGenerator.for_prompts(model, texts, options, profile=profile, tokenizer=tok)
+        except NarrativeGravityError as exc:
+            fail(str(exc))
+        except (OSError, ValueError, RuntimeError) as exc:  # a model vLLM cannot run, or a damaged folder
+            fail(f"--model {model or 'smollm2'} cannot be started on vLLM: {exc}; check it, or use --engine hf")

@@ -1,0 +1,107 @@
+"""``ngrav compare``: control and gravity with the same seeds, the texts side by side and a metrics table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from ..engines.options import GenerationOptions
+from ..profiles.schema import Profile
+from .common import MaxNewOpt, ModelOpt, RawOpt, TempOpt, TopKOpt, check_output, guarded, load, read_profile
+
+__all__ = ["app"]
+
+app = typer.Typer(rich_markup_mode="rich")
+
+
+@app.command()
+def compare(
+    profile: Annotated[Path, typer.Option("--profile", help="profile file (.json/.yaml)")],
+    prompt: Annotated[str, typer.Option("--prompt", help="the prompt to continue")],
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="number of seeds; control and gravity share each")] = 3,
+    raw: RawOpt = False,
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = 80,
+    top_k: TopKOpt = 10,
+    temperature: TempOpt = 1.0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="save a PNG of the thermometer traces")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="save every text and metric as JSON")] = None,
+    show: Annotated[int, typer.Option("--show", min=0, help="how many seed pairs to print side by side")] = 2,
+) -> None:
+    """Run control (no gravity) and gravity with the same seeds; print texts side by side and a metrics table.
+
+    Example: ngrav compare --profile profiles/binary_search.json --prompt "Write a binary search in Java." --seeds 20
+    """
+    prof = read_profile(profile)
+    check_output(plot, "--plot")
+    check_output(json_out, "--json")
+    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw))
+    m, tok = load(model)
+    report = _Report(seeds=seeds, show=show, plot=plot, json_out=json_out)
+    guarded(lambda: _run(m, tok, prof, prompt, options, report))
+
+
+@dataclass(frozen=True)
+class _Report:
+    """How many seeds to run, how many pairs to print, and where to plot and save."""
+
+    seeds: int
+    show: int
+    plot: Path | None
+    json_out: Path | None
+
+
+def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOptions, out: _Report) -> None:
+    """Run, print, and plot and save as ``out`` says."""
+    from .. import compare, plots  # torch and transformers (matplotlib only once a plot is drawn): not for --help
+
+    seeds = out.seeds
+    console = Console()
+    with Progress(transient=True, console=console) as bar:
+        task = bar.add_task("control vs gravity", total=2 * seeds)
+        rows = compare.compare_runs(model, tok, prof, prompt, options, seeds=seeds, progress=lambda: bar.advance(task))
+    texts = Table(title=f"prompt: {prompt!r}", show_lines=True)
+    texts.add_column("seed", justify="right")
+    texts.add_column("control (no gravity)", ratio=1)
+    texts.add_column(f"gravity ({prof.name})", ratio=1)
+    for r in rows[: out.show]:
+        texts.add_row(str(r.seed), r.control.text, r.gravity.text)
+    console.print(texts)
+    summary = compare.summarize(rows)
+    table = Table(title=f"{seeds} seeds, mean [95% bootstrap interval]")
+    for col in ("metric", "control", "gravity", "gravity − control (paired)"):
+        table.add_column(col)
+    for s in summary.values():
+        table.add_row(s["label"], _fmt(s["control"]), _fmt(s["gravity"]), _fmt(s["difference"]))
+    console.print(table)
+    if out.plot is not None:
+        traces = {"control": [r.control.trace for r in rows], "gravity": [r.gravity.trace for r in rows]}
+        path = plots.plot_traces(traces, out.plot, title=f"{prof.name}: {prompt[:60]}")
+        console.print(f"trace plot saved to {path}")
+    if out.json_out is not None:
+        _save(out.json_out, prompt, prof, summary, rows)
+        console.print(f"results saved to {out.json_out}")
+
+
+def _save(path: Path, prompt: str, prof: Profile, summary: dict[str, Any], rows: list[Any]) -> None:
+    runs = [
+        {"seed": r.seed, "control": r.control.to_json(), "gravity": r.gravity.to_json(), "metrics": r.metrics}
+        for r in rows
+    ]
+    payload = {"prompt": prompt, "profile": prof.model_dump(), "summary": summary, "runs": runs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def _fmt(ci: tuple[float, float, float]) -> str:
+    m, lo, hi = ci
+    if m != m:  # nan
+        return "n/a"
+    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
