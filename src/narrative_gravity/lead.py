@@ -27,6 +27,7 @@ from .embeddings import encode
 from .text import has_unspaced_script
 
 if TYPE_CHECKING:
+    from .profiles.blocks import Lead
     from .profiles.schema import Profile
 
 __all__ = [
@@ -95,12 +96,14 @@ def lead_sentence(profile: Profile | None, *, raw: bool) -> str | None:
     'It mentions comet and moon.'
     >>> lead_sentence(Profile(core_semantics=["orbit"]), raw=True)  # the topic default reads one
     'The following is about orbit.'
+    >>> lead_sentence(Profile(core_semantics=["orbit", "planet", "galaxy"]), raw=False)  # and three in chat
+    'Write about orbit, planet and galaxy.'
     >>> lead_sentence(Profile(core_semantics=["orbit"], lead=False), raw=True) is None
     True
     """
-    if not reads_lead(profile, raw=raw):
+    lead = _lead_in_mode(profile, raw=raw)
+    if lead is None:
         return None
-    lead = profile.lead
     template = lead.text if lead.text is not None else (RAW_LEAD if raw else CHAT_LEAD)
     if "{words}" in template:
         words = profile.core_semantics
@@ -115,12 +118,18 @@ def reads_lead(profile: Profile | None, *, raw: bool) -> bool:
     """Whether ``profile`` has a topic sentence for plain continuation (``raw``) or chat.
 
     >>> from narrative_gravity.profiles.schema import Profile
-    >>> p = Profile(core_semantics=["orbit"])  # the topic default: plain continuation only
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default reads one in both modes
     >>> reads_lead(p, raw=True), reads_lead(p, raw=False), reads_lead(None, raw=True)
-    (True, False, False)
+    (True, True, False)
+    >>> reads_lead(Profile(core_semantics=["orbit"], lead={"chat": False}), raw=False)
+    False
     """
+    return _lead_in_mode(profile, raw=raw) is not None
+
+
+def _lead_in_mode(profile: Profile | None, *, raw: bool) -> Lead | None:
     lead = profile.lead if profile is not None else None
-    return bool(lead and (raw or lead.chat))
+    return lead.in_mode(raw=raw) if lead else None
 
 
 def reading_profile(profile: _P, *, raw: bool) -> _P:
@@ -134,17 +143,20 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     (a processor in a ``generate`` call of your own) pulls with the profile as it is.
 
     >>> from narrative_gravity.profiles.schema import Profile
-    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, chat: false, ...}
+    >>> p = Profile(core_semantics=["orbit"])  # the topic default: lead {words: 1, kl_budget: 0.05, ...}
     >>> read = reading_profile(p, raw=True).thermostat
     >>> p.thermostat.kl_budget, read.kl_budget, read.kl_budget_steps, read.late_kl_budget
     (None, 0.05, 128, 0.3)
-    >>> reading_profile(p, raw=False) is p  # no sentence in chat: the pull as without one
+    >>> reading_profile(p, raw=False).thermostat.kl_budget  # in chat: lead.chat {words: 3, kl_budget: 0.12}
+    0.12
+    >>> q = Profile(core_semantics=["orbit"], lead={"chat": False})
+    >>> reading_profile(q, raw=False) is q  # no sentence in chat: the pull as without one
     True
     >>> reading_profile(None, raw=True) is None
     True
     """
-    lead = profile.lead if profile is not None else None
-    if not lead or not reads_lead(profile, raw=raw) or lead.kl_budget is None:
+    lead = _lead_in_mode(profile, raw=raw)
+    if lead is None or lead.kl_budget is None:
         return profile
     if profile.thermostat.kl_budget is not None:  # the thermostat's own budget wins
         return profile

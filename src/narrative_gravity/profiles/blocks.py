@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = [
+    "ChatLead",
     "ContextLevel",
     "ConversationLevel",
     "FieldOptions",
@@ -46,11 +47,17 @@ class StrictModel(BaseModel):
             if v:
                 raise ValueError("true is not a setting here; write {} for the defaults, or false for none")
             return v
-        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation is not bool:
+        if isinstance(v, bool) and not _takes_bool(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"{str(v).lower()} is a boolean, but this key does not take one; write a number")
         if isinstance(v, str) and info.field_name in NUMERIC_KEYS.get(cls.__name__, ()):
             raise ValueError(f"{v!r} is text, but this key takes a number; write it without quotes")
         return v
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field annotated ``annotation`` takes a boolean: ``bool`` itself or a union with it
+    (``lead.chat: bool | ChatLead``)."""
+    return annotation is bool or bool in getattr(annotation, "__args__", ())
 
 
 def numeric_fields(model: type[BaseModel]) -> tuple[str, ...]:
@@ -256,6 +263,35 @@ class Require(StrictModel):
         return self
 
 
+class ChatLead(StrictModel):
+    """The lead's settings in chat (``lead.chat``), where they differ from plain continuation: a system message
+    is read differently from a sentence before a text's opening. Keys left out (None) are the lead's own.
+
+    >>> ChatLead(words=3, kl_budget=0.12).text is None
+    True
+    """
+
+    text: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="the system message ('{words}', '{required}'); None = the lead's",
+    )
+    words: int | None = Field(
+        None, ge=1, le=16, description="how many core_semantics words it names; None = the lead's"
+    )
+    kl_budget: float | None = _kl_budget("the pull's KL budget (nats a step) in chat; None = the lead's")
+    kl_budget_steps: int | None = _kl_budget_steps("tokens the chat kl_budget holds for; None = the lead's")
+    late_kl_budget: float | None = _kl_budget("the KL budget after kl_budget_steps in chat; None = the lead's")
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("lead.chat.text is blank; give a sentence, or leave it out for the lead's")
+        return v
+
+
 class Lead(StrictModel):
     """A topic sentence the model reads before the prompt and the output never shows
     (:mod:`narrative_gravity.lead`): text before the prompt in plain continuation, a system message in chat.
@@ -274,6 +310,17 @@ class Lead(StrictModel):
     ``kl_budget_steps`` and ``late_kl_budget``: the sentence holds the opening of a text best, and is far back
     in a long one; past ``kl_budget_steps`` generated tokens the budget becomes ``late_kl_budget`` (None: no
     limit, the thermostat's full pull).
+
+    ``chat``: ``true`` reads the same sentence in chat, as a system message; ``false`` reads none there; a
+    :class:`ChatLead` reads one with its own settings (keys it leaves out are the lead's). :meth:`in_mode`
+    gives the settings that hold in one mode.
+
+    >>> lead = Lead(words=1, kl_budget=0.05, chat={"words": 3, "kl_budget": 0.12})
+    >>> chat = lead.in_mode(raw=False)
+    >>> (chat.words, chat.kl_budget), (lead.in_mode(raw=True).words, lead.in_mode(raw=True).kl_budget)
+    ((3, 0.12), (1, 0.05))
+    >>> Lead(chat=False).in_mode(raw=False) is None
+    True
     """
 
     text: str | None = Field(
@@ -298,7 +345,30 @@ class Lead(StrictModel):
     late_kl_budget: float | None = _kl_budget(
         "the thermostat's KL budget (nats a step) after kl_budget_steps tokens; None = no limit"
     )
-    chat: bool = Field(True, description="also read in chat, as a system message (false: in plain continuation only)")
+    chat: bool | ChatLead = Field(
+        True,
+        description="in chat, as a system message: true = the same sentence and settings; false = no sentence in "
+        "chat; an object = its own settings there (text, words, kl_budget, kl_budget_steps, late_kl_budget; "
+        "keys left out are the lead's)",
+    )
+
+    @field_validator("chat", mode="before")
+    @classmethod
+    def _chat(cls, v: Any) -> Any:
+        if not isinstance(v, (bool, dict, ChatLead)):
+            raise ValueError(
+                'lead.chat takes true, false or a mapping of its chat settings; e.g. {"words": 3, "kl_budget": 0.12}'
+            )
+        return v
+
+    def in_mode(self, *, raw: bool) -> Lead | None:
+        """The lead as read in plain continuation (``raw``) or in chat, or ``None`` where none is read."""
+        if raw or self.chat is True:
+            return self
+        if self.chat is False:
+            return None
+        update = {k: v for k, v in self.chat.model_dump().items() if v is not None}
+        return self.model_copy(update={**update, "chat": True})
 
     @field_validator("text")
     @classmethod

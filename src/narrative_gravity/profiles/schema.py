@@ -46,6 +46,7 @@ from ..errors import ProfileError
 from ..text import expand_keywords, has_unspaced_script
 from .blocks import (
     NUMERIC_KEYS,
+    ChatLead,
     ContextLevel,
     ConversationLevel,
     FieldOptions,
@@ -63,6 +64,7 @@ from .blocks import (
 __all__ = [
     "THERMOSTAT_MAX_PER_STRENGTH",
     "TOPIC_DEFAULTS",
+    "ChatLead",
     "ContextLevel",
     "ConversationLevel",
     "FieldOptions",
@@ -86,12 +88,20 @@ __all__ = [
 # the model first reads a sentence naming the topic's central word, and while it is near the pull stops at
 # 0.05 nats a step; past 128 generated tokens, where the sentence has faded, at 0.30. Chosen on the
 # `topics-tune` split, the Empath tuning topics and the named tuning prompts, never on held-out words
-# (docs/benchmarks.md).
+# (docs/benchmarks.md). In chat the model reads a system message naming the three central words ("Write about
+# planet, orbit and galaxy.") and the pull stops at 0.12 nats a step (chosen on the chat tuning splits:
+# docs/chat.md).
 TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
     "thermostat": {"max_strength": 4.25, "explore_target": 0.4, "converge_target": 0.6, "strict_target": 0.8},
-    "lead": {"words": 1, "kl_budget": 0.05, "chat": False, "kl_budget_steps": 128, "late_kl_budget": 0.30},
+    "lead": {
+        "words": 1,
+        "kl_budget": 0.05,
+        "kl_budget_steps": 128,
+        "late_kl_budget": 0.30,
+        "chat": {"words": 3, "kl_budget": 0.12},
+    },
 }
 
 
@@ -186,11 +196,15 @@ class Profile(StrictModel):
 
     @model_validator(mode="after")
     def _lead_names_required(self) -> Profile:
-        if self.lead and "{required}" in (self.lead.text or "") and self.require is None:
-            raise ValueError(
-                "lead.text names {required}, but the profile has no `require` words; add `require: [...]` "
-                "or take {required} out of the sentence"
-            )
+        if not self.lead or self.require is not None:
+            return self
+        chat = self.lead.chat if not isinstance(self.lead.chat, bool) else None
+        for key, text in (("lead.text", self.lead.text), ("lead.chat.text", chat.text if chat else None)):
+            if "{required}" in (text or ""):
+                raise ValueError(
+                    f"{key} names {{required}}, but the profile has no `require` words; add `require: [...]` "
+                    "or take {required} out of the sentence"
+                )
         return self
 
     @model_validator(mode="after")
@@ -237,6 +251,8 @@ NUMERIC_KEYS.update(
             FieldOptions,
             StageSpec,
             Require,
+            Lead,
+            ChatLead,
             ContextLevel,
             ConversationLevel,
             PlanLevel,
@@ -270,7 +286,8 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if info is None:
             return []
         args = getattr(info.annotation, "__args__", ()) or (info.annotation,)
-        inner = [a for a in args if a is not type(None) and not _is_literal(a)]  # `Lead | Literal[False] | None`
+        # `Lead | Literal[False] | None`, `bool | ChatLead`
+        inner = [a for a in args if a not in (type(None), bool) and not _is_literal(a)]
         if len(inner) != 1 or not isinstance(inner[0], type) or not issubclass(inner[0], BaseModel):
             return []
         cur = inner[0]
@@ -282,7 +299,9 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     for err in exc.errors():
         if "literal[False]" in err["loc"]:  # `lead: false`: the other branch (the mapping) tells what is wrong
             continue
-        loc = tuple(p for p in err["loc"] if p != "Lead")  # the mapping branch of `lead`
+        if err["loc"][-1:] == ("bool",) and isinstance(err.get("input"), dict):  # `lead.chat: {...}`: the mapping
+            continue  # branch tells what is wrong
+        loc = tuple(p for p in err["loc"] if p not in ("Lead", "ChatLead"))  # the mapping branches
         if loc == ("lead",) and err["type"] == "model_type":
             out.append(
                 (
