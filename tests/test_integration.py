@@ -74,8 +74,13 @@ def test_measure_only_control_is_plain_decoding(smollm2, profile):
 
 
 def test_gravity_raises_the_narrative_token_rate(smollm2, profile):
+    # the pull alone: the classic constant lexical pull and no topic sentence (the chat default's sentence turns
+    # the text by prompt and holds the pull to 0.12 nats a step, so this rate is not its measure)
     model, tok = smollm2
-    rows = compare_runs(model, tok, profile, PROMPT, GenerationOptions(max_new_tokens=32), seeds=3)
+    pull = Profile.from_mapping(
+        {**profile.model_dump(exclude={"field", "thermostat", "lead"}), "schedule": "constant", "lead": False}
+    )
+    rows = compare_runs(model, tok, pull, PROMPT, GenerationOptions(max_new_tokens=32), seeds=3)
     summary = summarize(rows)
     diff = summary["narrative_rate"]["difference"][0]
     assert diff > 0, summary["narrative_rate"]
@@ -142,11 +147,17 @@ def test_cli_compare_prints_table_and_plot(smollm2, tmp_path):
 
     plot, js = tmp_path / "t.png", tmp_path / "c.json"
     args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "2", "--max-new-tokens", "12",
-            "--plot", str(plot), "--json", str(js)]  # fmt: skip
+            "--plot", str(plot), "--json", str(js), "--held-out", "sorted,index", "--description", "code that searches"]  # fmt: skip
     res = CliRunner().invoke(app, args, env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.output
+    head = res.output.index("held-out words (independent of the pull): control")
+    assert "paired difference" in res.output[head:].splitlines()[0]
+    assert head < res.output.index("prompt: ")  # the independent measure leads, before the texts
     for label in ("narrative-token rate", "penalized-word hits", "distinct-2", "mean entropy", "mean KL", "tokens/s"):
         assert label in res.output
+    bad_args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "1", "--held-out", "array"]
+    bad = CliRunner().invoke(app, bad_args, env={"COLUMNS": "160"})
+    assert bad.exit_code != 0 and "held-out word 'array'" in bad.output  # the profile names it
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     payload = json.loads(js.read_text())
-    assert len(payload["runs"]) == 2 and set(payload["summary"]) >= {"narrative_rate", "kl"}
+    assert len(payload["runs"]) == 2 and set(payload["summary"]) >= {"narrative_rate", "kl", "held_out_words"}

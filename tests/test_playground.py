@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from narrative_gravity.eval.metrics import contains_any
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
@@ -132,10 +134,16 @@ def test_score_gives_the_compare_table(server: RunningServer) -> None:
                     "kl": sum(t["kl"] for t in tokens) / len(tokens),
                 }
             runs.append(sides)
-        out = http.post("/v1/score", json={"gravity": SPACE, "prompt": "The comet", "runs": runs}).json()
+        scored = {"held_out": ["moon", "star"], "description": "a text about space"}
+        out = http.post("/v1/score", json={"gravity": SPACE, "prompt": "The comet", "runs": runs, **scored}).json()
         assert len(out["runs"]) == 3 and out["runs"][0]["control"]["kl"] == 0.0
         summary = out["summary"]
-        assert summary["narrative_rate"]["label"] == "narrative-token rate"
+        assert list(summary)[:2] == ["held_out_words", "description_similarity"]  # the independent measures lead
+        for side in ("control", "gravity"):
+            hits = [r[side]["held_out_words"] for r in out["runs"]]
+            assert hits == [float(contains_any(r[side]["text"], ["moon", "star"])) for r in runs]
+            assert all(-1.0 <= r[side]["description_similarity"] <= 1.0 for r in out["runs"])
+        assert summary["narrative_rate"]["label"] == "narrative-token rate (what the pull pushes)"
         mean, lo, hi = summary["narrative_rate"]["gravity"]
         assert lo <= mean <= hi and mean > summary["narrative_rate"]["control"][0]
         assert summary["entropy"]["control"] == [None, None, None]  # not measured: null, not NaN
@@ -149,6 +157,9 @@ def test_score_gives_the_compare_table(server: RunningServer) -> None:
         assert error({"gravity": SPACE, "runs": runs}) == "prompt"
         assert error({"gravity": SPACE, "prompt": "x", "runs": []}) == "runs"
         assert error({"gravity": {"core_semantics": []}, "prompt": "x", "runs": runs}) == "gravity"
+        assert error({"gravity": SPACE, "prompt": "x", "runs": runs, "held_out": ["orbit"]}) == "held_out"  # named
+        plain = http.post("/v1/score", json={"gravity": SPACE, "prompt": "The comet", "runs": runs}).json()
+        assert plain["summary"]["held_out_words"]["control"] == [None, None, None]  # nothing to score against
 
 
 def test_page_is_open_and_does_no_model_work(tiny_backend: HFBackend, tmp_path: Path) -> None:
@@ -462,10 +473,12 @@ def test_playground_on_the_default_model(tmp_path: Path) -> None:
         # compare over seeds, small: progress, then the table with intervals
         set_value(driver, "#seeds-n", "3")
         set_value(driver, "#max-tokens", "16")
+        set_value(driver, "#held-out", "moon, star")
         driver.find_element(*by("#compare-button")).click()
         wait_for(driver, lambda d: d.find_element(*by("#compare-table")).is_displayed(), 600)
         rows = driver.find_elements(*by("#compare-table tbody tr"))
-        assert rows[0].text.startswith("narrative-token rate") and "[" in rows[0].text
+        assert rows[0].text.startswith("held-out words") and "[" in rows[0].text  # the independent measure leads
+        assert not any(r.text.startswith("similarity to the description") for r in rows)  # none given: no row
         set_value(driver, "#max-tokens", "64")
 
         # keep what works: save, change, save, roll back

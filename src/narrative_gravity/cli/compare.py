@@ -34,17 +34,37 @@ def compare(
     plot: Annotated[Path | None, typer.Option("--plot", help="save a PNG of the thermometer traces")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="save every text and metric as JSON")] = None,
     show: Annotated[int, typer.Option("--show", min=0, help="how many seed pairs to print side by side")] = 2,
+    held_out: Annotated[
+        str | None,
+        typer.Option(
+            "--held-out",
+            help="comma-separated topic words the profile does not name, scored as a measure the pull does not define",
+        ),
+    ] = None,
+    description: Annotated[
+        str | None,
+        typer.Option(
+            "--description",
+            help="a sentence describing the topic, scored by MiniLM similarity (default: the profile's `description`)",
+        ),
+    ] = None,
 ) -> None:
     """Run control (no gravity) and gravity with the same seeds; print texts side by side and a metrics table.
 
-    Example: ngrav compare --profile profiles/binary_search.json --prompt "Write a binary search in Java." --seeds 20
+    The table leads with measures independent of the pull (--held-out words, similarity to --description); the
+    narrative-token rate follows, as what the pull pushes.
+
+    Example: ngrav compare --profile profiles/topic.yaml --prompt "Describe a place you like." --held-out moon,star
     """
     prof = read_profile(profile)
     check_output(plot, "--plot")
     check_output(json_out, "--json")
     options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw))
+    words = tuple(w.strip() for w in (held_out or "").split(",") if w.strip())
+    scoring = compare_scoring(words, description if description is not None else prof.description)
+    guarded(lambda: scoring.check(prof))
     m, tok = load(model)
-    report = _Report(seeds=seeds, show=show, plot=plot, json_out=json_out)
+    report = _Report(seeds=seeds, show=show, plot=plot, json_out=json_out, scoring=scoring)
     guarded(lambda: _run(m, tok, prof, prompt, options, report))
 
 
@@ -56,6 +76,7 @@ class _Report:
     show: int
     plot: Path | None
     json_out: Path | None
+    scoring: Any = None
 
 
 def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOptions, out: _Report) -> None:
@@ -66,7 +87,11 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
     console = Console()
     with Progress(transient=True, console=console) as bar:
         task = bar.add_task("control vs gravity", total=2 * seeds)
-        rows = compare.compare_runs(model, tok, prof, prompt, options, seeds=seeds, progress=lambda: bar.advance(task))
+        rows = compare.compare_runs(
+            model, tok, prof, prompt, options, seeds=seeds, progress=lambda: bar.advance(task), scoring=out.scoring
+        )
+    summary = compare.summarize(rows)
+    console.print(headline(summary, seeds))
     texts = Table(title=f"prompt: {prompt!r}", show_lines=True)
     texts.add_column("seed", justify="right")
     texts.add_column("control (no gravity)", ratio=1)
@@ -74,11 +99,12 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
     for r in rows[: out.show]:
         texts.add_row(str(r.seed), r.control.text, r.gravity.text)
     console.print(texts)
-    summary = compare.summarize(rows)
     table = Table(title=f"{seeds} seeds, mean [95% bootstrap interval]")
     for col in ("metric", "control", "gravity", "gravity − control (paired)"):
         table.add_column(col)
     for s in summary.values():
+        if s["control"][0] != s["control"][0] and s["gravity"][0] != s["gravity"][0]:  # nothing to score against
+            continue
         table.add_row(s["label"], _fmt(s["control"]), _fmt(s["gravity"]), _fmt(s["difference"]))
     console.print(table)
     if out.plot is not None:
@@ -88,6 +114,30 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
     if out.json_out is not None:
         _save(out.json_out, prompt, prof, summary, rows)
         console.print(f"results saved to {out.json_out}")
+
+
+def compare_scoring(held_out: tuple[str, ...], description: str | None) -> Any:
+    """The independent scoring of a comparison (:class:`narrative_gravity.compare.Scoring`)."""
+    from ..compare import Scoring  # torch and MiniLM: not for --help
+
+    return Scoring(held_out=held_out, description=description)
+
+
+def headline(summary: dict[str, Any], seeds: int) -> str:
+    """The first line of the result: the first independent measure there is, with its paired interval, or a
+    note that there is none (the narrative rate alone shows only what the pull pushes)."""
+    for key in ("held_out_words", "description_similarity"):
+        s = summary.get(key)
+        if s and s["difference"][0] == s["difference"][0]:
+            (c, _, _), (g, _, _), (d, lo, hi) = s["control"], s["gravity"], s["difference"]
+            return (
+                f"[bold]{s['label']}[/bold]: control {c:.3f} → gravity {g:.3f}, "
+                f"paired difference {d:+.3f} [{lo:+.3f}, {hi:+.3f}] over {seeds} seeds"
+            )
+    return (
+        "no independent measure: give --held-out words or a --description (or a profile `description`); "
+        "the narrative-token rate shows only what the pull pushes"
+    )
 
 
 def _save(path: Path, prompt: str, prof: Profile, summary: dict[str, Any], rows: list[Any]) -> None:

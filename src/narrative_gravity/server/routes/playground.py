@@ -32,7 +32,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...compare import row_metrics, summarize_metrics
+from ...compare import Scoring, row_metrics, summarize_metrics
 from ...errors import NarrativeGravityError
 from ...profiles.build import field_from_profile
 from ...profiles.schema import TOPIC_DEFAULTS, Profile, profile_problems
@@ -106,6 +106,12 @@ class ScoreRequest(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     runs: list[_Run] = Field(min_length=1, max_length=MAX_RUNS)
+    held_out: list[str] = Field(
+        default_factory=list, max_length=256, description="topic words the profile does not name, scored as hits"
+    )
+    description: str | None = Field(
+        None, max_length=2000, description="a sentence describing the topic, scored by MiniLM similarity"
+    )
 
 
 class ValidateRequest(BaseModel):
@@ -189,13 +195,22 @@ async def score(data: Any = Depends(request_json), state: ServerState = Depends(
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"`runs.{i}.{side}.token_ids` has ids outside the vocabulary", param="runs")
     backend, profile = state.backend, gravity.profile
+    scoring = Scoring(
+        held_out=tuple(w.strip() for w in req.held_out if w.strip()),
+        description=(req.description or "").strip() or None,
+    )
+    try:
+        scoring.check(profile)
+    except NarrativeGravityError as exc:
+        raise APIError(400, str(exc), param="held_out") from None
 
     def work() -> dict[str, Any]:
         field = field_from_profile(profile, backend.tokenizer, model=getattr(backend, "model", None))  # type: ignore[attr-defined]
 
         def metrics(side: _Side) -> dict[str, float]:
             means = {k: v for k, v in (("entropy", side.entropy), ("kl", side.kl)) if v is not None}
-            return row_metrics(profile, field, prompt_ids, side.token_ids, side.text, seconds=side.seconds, means=means)
+            own = row_metrics(profile, field, prompt_ids, side.token_ids, side.text, seconds=side.seconds, means=means)
+            return scoring.metrics(side.text) | own
 
         runs = [{"control": metrics(r.control), "gravity": metrics(r.gravity)} for r in req.runs]
         return {"runs": runs, "summary": summarize_metrics(runs)}

@@ -606,6 +606,10 @@ function sideForScore(side) {
 
 async function score(chat, prompt, runs) {
   const body = { gravity: gravitySpec(false), runs };
+  const heldOut = ($("#held-out")?.value || "").split(",").map((w) => w.trim()).filter(Boolean);
+  const description = ($("#description")?.value || "").trim();
+  if (heldOut.length) body.held_out = heldOut;
+  if (description) body.description = description;
   if (chat) body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
   return apiJSON("/v1/score", { method: "POST", body: JSON.stringify(body) });
@@ -738,6 +742,7 @@ function renderCompare(summary) {
   const body = $("#compare-table tbody");
   body.innerHTML = "";
   for (const m of Object.values(summary)) {
+    if (m.control[0] === null && m.gravity[0] === null) continue; // nothing to score against
     const tr = document.createElement("tr");
     for (const cell of [m.label, ci(m.control), ci(m.gravity), ci(m.difference)]) {
       const td = document.createElement("td");
