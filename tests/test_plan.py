@@ -324,7 +324,7 @@ def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny
     ctrl = default["controller"]
     assert isinstance(ctrl, ThermostatController) and default["repeat_weight"] == 0.0
     knobs = TOPIC_DEFAULTS["thermostat"]
-    assert ctrl._rows == (knobs["max_strength"],) and ctrl.strict_target == knobs["strict_target"]
+    assert ctrl._rows == (knobs["max_strength"],) and ctrl.options.strict_target == knobs["strict_target"]
     # the earlier pull: lexical stages alone, constant λ, no repeat damping
     plan_then_write(
         model,

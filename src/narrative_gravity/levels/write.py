@@ -33,7 +33,7 @@ from ..engines.prompts import encode_prompts, eos_token_ids
 from ..errors import ConfigurationError
 from ..fields import NarrativeField, build_semantic_field
 from ..fields.semantic import SemanticSettings
-from ..gravity.controllers import ConstantController, StrengthController, ThermostatController
+from ..gravity.controllers import ConstantController, StrengthController, ThermostatController, ThermostatOptions
 from ..profiles.build import Stage, parse_stages, stage_plan
 from ..profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile
 from ..text import content_words
@@ -125,9 +125,10 @@ class PlanSettings:
             return self.controller
         if self.schedule == "thermostat":
             knobs = dict(TOPIC_DEFAULTS["thermostat"])
+            lam_max = knobs.pop("max_strength")
             if self.strength is not None:
-                knobs["max_strength"] = float(self.strength)
-            return ThermostatController(**knobs)
+                lam_max = float(self.strength)
+            return ThermostatController(lam_max, ThermostatOptions(**knobs))
         return ConstantController(3.0 if self.strength is None else float(self.strength))
 
 
