@@ -30,7 +30,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,16 @@ from .prompts import BUILT_IN_SETS, TOPIC_SETS, EvalPrompt, limit_prompts, load_
 from .report import write_reports
 from .store import CONTROL, FAILURES, RESULTS, RUN_FILE, ResultStore, row_key
 
-__all__ = ["AUTO", "BUILT_IN_SETS", "CONTROL", "EvalSettings", "ResultStore", "check_engine_arms", "run_eval"]
+__all__ = [
+    "AUTO",
+    "BUILT_IN_SETS",
+    "CONTROL",
+    "EvalModels",
+    "EvalSettings",
+    "ResultStore",
+    "check_engine_arms",
+    "run_eval",
+]
 
 AUTO = "auto"
 CHAT_FRAMES = (None, "template", "plain")
@@ -744,21 +753,9 @@ def _failure(arm: str, p: EvalPrompt, seed: int, exc: BaseException) -> dict[str
     }
 
 
-def run_eval(
-    settings: EvalSettings,
-    out_dir: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    model: Any = None,
-    tokenizer: Any = None,
-    ctx: MetricContext | None = None,
-    prompts: Sequence[EvalPrompt] | None = None,
-    progress: bool = True,
-    write_report: bool = True,
-    console: Any = None,
-    generator: Any = None,
-) -> dict[str, Any]:
-    """Run (or resume) an eval into ``out_dir`` and write the reports; returns the summary.
+@dataclass(frozen=True)
+class EvalModels:
+    """The models a run uses, where the caller has them already loaded (each ``None``: loaded when needed).
 
     ``model``/``tokenizer`` default to :func:`~narrative_gravity.models.load_model` of ``settings.model``;
     ``ctx`` to a :class:`MetricContext` with MiniLM and ``settings.judge``. With ``settings.engine == "vllm"``,
@@ -766,16 +763,65 @@ def run_eval(
     ``tokenizer``; by default one is started on ``settings.model``, sized for the prompts and ``batch_size``.
     """
 
+    model: Any = None
+    tokenizer: Any = None
+    ctx: MetricContext | None = None
+    generator: Any = None
+
+
+def run_eval(
+    settings: EvalSettings,
+    out_dir: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    models: EvalModels = EvalModels(),
+    prompts: Sequence[EvalPrompt] | None = None,
+    progress: bool = True,
+    write_report: bool = True,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Run (or resume) an eval into ``out_dir`` and write the reports; returns the summary.
+
+    ``models`` (:class:`EvalModels`): what the caller has loaded already; the rest loads when there is something
+    to generate. ``prompts`` replaces the prompt set that ``settings.prompts`` names.
+    """
+
     console = console if console is not None else Console(stderr=True, soft_wrap=True)
     out = Path(out_dir)
-    store = ResultStore(out / RESULTS)
     metrics = settings.metric_list()
     plan = make_plan(settings, prompts)
     vllm_generate = None
-    if settings.engine == "vllm" and generator is None:
+    if settings.engine == "vllm" and models.generator is None:
         from ..engines import vllm_generate  # imports vLLM, which lives in its own venv: only for engine="vllm"
 
         vllm_generate.require_vllm()
+    store, done = _open_run(settings, plan, out, resume)
+    all_keys = plan.keys(settings.seeds)
+    todo_n = sum(1 for k in all_keys if k not in done)
+    console.print(
+        f"eval: {len(plan.prompts)} prompts × {len(settings.seeds)} seeds × {len(plan.arms) + 1} arms "
+        f"(control, {', '.join(plan.arms)}) = {len(all_keys)} generations; {len(all_keys) - todo_n} already done, "
+        f"{todo_n} to go → {out}",
+        highlight=False,
+    )
+    if todo_n:
+        if vllm_generate is not None:
+            models = replace(models, generator=_start_vllm(vllm_generate, settings, plan, console))
+        runner = _make_runner(settings, plan, models, metrics, console)
+        runner.warmup()
+        _loop(runner, store, done, todo_n, out, progress, console)
+    summary: dict[str, Any] = {}
+    if write_report:
+        summary = write_reports(out)
+    return summary
+
+
+def _open_run(
+    settings: EvalSettings, plan: _Plan, out: Path, resume: bool
+) -> tuple[ResultStore, set[tuple[str, int, int]]]:
+    """The run's result store and the keys it holds; checks that a resumed run has the same settings, and writes
+    the run's manifest."""
+    store = ResultStore(out / RESULTS)
     manifest = run_manifest(settings, plan)
     run_file = out / RUN_FILE
     if resume and run_file.exists():
@@ -787,45 +833,34 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     done = {row_key(r) for r in store.load(repair=True)}
     run_file.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    all_keys = plan.keys(settings.seeds)
-    todo_n = sum(1 for k in all_keys if k not in done)
-    console.print(
-        f"eval: {len(plan.prompts)} prompts × {len(settings.seeds)} seeds × {len(plan.arms) + 1} arms "
-        f"(control, {', '.join(plan.arms)}) = {len(all_keys)} generations; {len(all_keys) - todo_n} already done, "
-        f"{todo_n} to go → {out}",
-        highlight=False,
-    )
-    if todo_n:
-        if vllm_generate is not None:
-            generator = _start_vllm(vllm_generate, settings, plan, console)
-        elif settings.engine == "hf" and (model is None or tokenizer is None):
-            with console.status(f"loading {settings.model or 'smollm2'}"):
-                model, tokenizer = load_model(settings.model)
-        if ctx is None:
-            ctx = MetricContext(judge=settings.judge if settings.judge_on else None)
-        needs = set().union(*(m.needs for m in metrics))
-        if needs:
-            # Load the scoring models now: a missing package should fail before the first generation.
-            with console.status(f"loading scoring models ({', '.join(sorted(needs))})"):
-                if "encoder" in needs:
-                    _ = ctx.encoder
-                if "judge" in needs:
-                    _ = ctx.judge
+    return store, done
 
-        def say(message: str) -> None:
-            console.print(message, highlight=False)
 
-        runner = (
-            _VLLMRunner(settings, plan, generator, ctx, metrics, say)
-            if settings.engine == "vllm"
-            else _Runner(settings, plan, model, tokenizer, ctx, metrics, say)
-        )
-        runner.warmup()
-        _loop(runner, plan, settings, store, done, todo_n, out, progress, console)
-    summary: dict[str, Any] = {}
-    if write_report:
-        summary = write_reports(out)
-    return summary
+def _make_runner(
+    settings: EvalSettings, plan: _Plan, models: EvalModels, metrics: list[Metric], console: Any
+) -> _Runner:
+    """The runner of this engine, with every model it needs loaded (a missing package fails here, before the
+    first generation)."""
+    model, tokenizer, ctx = models.model, models.tokenizer, models.ctx
+    if settings.engine == "hf" and (model is None or tokenizer is None):
+        with console.status(f"loading {settings.model or 'smollm2'}"):
+            model, tokenizer = load_model(settings.model)
+    if ctx is None:
+        ctx = MetricContext(judge=settings.judge if settings.judge_on else None)
+    needs = set().union(*(m.needs for m in metrics))
+    if needs:
+        with console.status(f"loading scoring models ({', '.join(sorted(needs))})"):
+            if "encoder" in needs:
+                _ = ctx.encoder
+            if "judge" in needs:
+                _ = ctx.judge
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False)
+
+    if settings.engine == "vllm":
+        return _VLLMRunner(settings, plan, models.generator, ctx, metrics, say)
+    return _Runner(settings, plan, model, tokenizer, ctx, metrics, say)
 
 
 def _start_vllm(vllm_generate: Any, settings: EvalSettings, plan: _Plan, console: Any) -> Any:
@@ -842,8 +877,6 @@ def _start_vllm(vllm_generate: Any, settings: EvalSettings, plan: _Plan, console
 
 def _loop(
     runner: _Runner,
-    plan: _Plan,
-    settings: EvalSettings,
     store: ResultStore,
     done: set[tuple[str, int, int]],
     total: int,
@@ -851,6 +884,8 @@ def _loop(
     progress: bool,
     console: Any,
 ) -> None:
+    """Every batch of the plan that is not done yet, in the plan's order: generate, score, append."""
+    plan, settings = runner.plan, runner.s
     failures = ResultStore(out / FAILURES)
     bar = Progress(
         TextColumn("{task.description}"),
