@@ -45,6 +45,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
 from ..engines.hf import NarrativeGravityLogitsProcessor, processor_from_profile
@@ -432,7 +433,6 @@ class _Guidance:
 
     def build(self, model: Any, tokenizer: Any, negative: list[list[int]]) -> Any:
         """The guidance processor of one batch; ``negative``: each row's prompt without the topic."""
-        from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ids, mask = left_pad(negative, pad_id)

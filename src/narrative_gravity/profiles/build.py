@@ -31,7 +31,7 @@ from ..errors import ConfigurationError
 from ..fields import NarrativeField, combine_fields
 from ..fields.lexical import build_lexical_field, reach, surface_forms, weighted_lexical_field
 from ..fields.neighbours import neighbour_words
-from ..fields.required import build_requirement
+from ..fields.required import RequirementOptions, build_requirement
 from ..fields.semantic import SemanticSettings, build_semantic_field
 from ..gravity.controllers import (
     ConstantController,
@@ -188,16 +188,7 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
         _REQUIRE_CACHE.move_to_end(key)
         return hit[1]
     opts = profile.require
-    built = build_requirement(
-        tokenizer,
-        opts.words,
-        strength=opts.strength,
-        curve=opts.curve,
-        force=opts.force,
-        slack=opts.slack,
-        window=opts.window,
-        spread=opts.spread,
-    )
+    built = build_requirement(tokenizer, opts.words, RequirementOptions(**opts.model_dump(exclude={"words"})))
     _REQUIRE_CACHE[key] = (tokenizer, built)
     while len(_REQUIRE_CACHE) > FIELD_CACHE_SIZE:
         _REQUIRE_CACHE.popitem(last=False)
