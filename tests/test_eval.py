@@ -420,7 +420,7 @@ def test_auto_profiles_and_jsonl_profile_names(tiny_model, tmp_path, space_profi
 def test_the_topic_profile_file_holds_the_auto_defaults():
     from pathlib import Path
 
-    from narrative_gravity.eval.runner import AUTO_DEFAULTS
+    from narrative_gravity.eval.settings import AUTO_DEFAULTS
     from narrative_gravity.profiles.schema import Profile, load_profile
 
     path = Path(__file__).resolve().parents[1] / "profiles" / "topic.yaml"

@@ -20,9 +20,10 @@ from narrative_gravity.eval import (
     compute_metrics,
     run_eval,
 )
+from narrative_gravity.eval.batch import _Guidance, _Runner
 from narrative_gravity.eval.chat import CHAT_REQUESTS, chat_prompts
 from narrative_gravity.eval.prompts import limit_prompts, load_prompts
-from narrative_gravity.eval.runner import _Guidance, _Runner, check_engine_arms, make_plan
+from narrative_gravity.eval.settings import check_engine_arms, make_plan
 from narrative_gravity.lead import lead_messages
 from servers import with_chat_template
 
