@@ -34,6 +34,7 @@ from ..errors import ConfigurationError
 from ..fields import NarrativeField, build_semantic_field
 from ..fields.semantic import SemanticSettings
 from ..gravity.controllers import ConstantController, StrengthController, ThermostatController, ThermostatOptions
+from ..gravity.kernel import Program
 from ..profiles.build import Stage, parse_stages, stage_plan
 from ..profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile
 from ..text import content_words
@@ -65,13 +66,14 @@ def staged_processor(
     base: NarrativeField | None = None,
     base_weight: float = 1.0,
     cover_fraction: float = 0.5,
+    repeat_weight: float = 1.0,
     **kwargs: Any,
 ) -> NarrativeGravityLogitsProcessor:
     """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` that follows ``stages``
-    (:func:`~narrative_gravity.profiles.build.stage_plan`); ``kwargs`` go to the processor (``controller``,
-    ``strength``, ``max_new_tokens``, ``trace``, ``repeat_weight``)."""
+    (:func:`~narrative_gravity.profiles.build.stage_plan`), each written narrative token keeping ``repeat_weight``
+    of its pull; ``kwargs`` go to the processor (``controller``, ``strength``, ``max_new_tokens``, ``trace``)."""
     plan = stage_plan(tokenizer, stages, base=base, base_weight=base_weight, cover_fraction=cover_fraction)
-    return NarrativeGravityLogitsProcessor(stages=plan, **kwargs)
+    return NarrativeGravityLogitsProcessor(Program(stages=plan, repeat_weight=repeat_weight), **kwargs)
 
 
 def _whole(name: str, value: Any) -> None:
