@@ -67,7 +67,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
 
     By default scores are returned as a new tensor and the input is never modified.
 
+    >>> from narrative_gravity.fields import NarrativeField
     >>> from narrative_gravity.gravity.kernel import Program
+    >>> field = NarrativeField(values=torch.tensor([1.0, 0.0, -1.0]))
     >>> once = NarrativeGravityLogitsProcessor(Program(field, repeat_weight=0.0), strength=2.0)
     >>> once(torch.tensor([[1]]), torch.zeros(1, 3)).tolist(), once(torch.tensor([[1, 0]]), torch.zeros(1, 3)).tolist()
     ([[2.0, 0.0, -2.0]], [[0.0, 0.0, -2.0]])
