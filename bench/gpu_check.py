@@ -155,15 +155,7 @@ def _processor(entry: dict[str, Any], budget: int, *, trace: bool = False) -> An
 
     p = entry["program"]
     return NarrativeGravityLogitsProcessor(
-        p.field,
-        entry["controller"],
-        stages=p.stages,
-        max_new_tokens=budget,
-        prune_threshold=p.prune_threshold,
-        repeat_weight=p.repeat_weight,
-        requirement=p.requirement,
-        trace=Trace() if trace else None,
-        inplace=True,
+        p, entry["controller"], max_new_tokens=budget, trace=Trace() if trace else None, inplace=True
     )
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity.controllers import (
     ConstantController,
+    DecayOptions,
     PhaseScheduleController,
     StepContext,
     StrengthController,
@@ -146,7 +147,7 @@ def test_schedule_with_per_row_strengths_and_beams() -> None:
 
 
 def test_decay_halves_after_half_life() -> None:
-    s = PhaseScheduleController(1.0, explore_steps=0, decay_after_steps=10, decay_half_life=5.0)
+    s = PhaseScheduleController(1.0, explore_steps=0, decay=DecayOptions(10, 5.0))
     assert s.scale(10, None) == 1.0  # at the threshold: no decay yet
     assert math.isclose(s.scale(15, None), 0.5)
     assert math.isclose(s.scale(20, None), 0.25)
@@ -157,14 +158,14 @@ def test_decay_halves_after_half_life() -> None:
 
 
 def test_decay_combines_with_phase() -> None:
-    s = PhaseScheduleController(2.0, decay_after_steps=50, decay_half_life=25.0)
+    s = PhaseScheduleController(2.0, decay=DecayOptions(50, 25.0))
     assert s.scale(50, 100) == 1.0
     assert math.isclose(s.scale(75, 100), 0.5)  # converge 1.0 × 0.5
     assert math.isclose(s.scale(90, 100), 1.5 * 0.5 ** (40 / 25))  # strict × decay
 
 
 def test_decay_after_zero_decays_from_first_step() -> None:
-    s = PhaseScheduleController(1.0, explore_steps=0, decay_after_steps=0, decay_half_life=1.0)
+    s = PhaseScheduleController(1.0, explore_steps=0, decay=DecayOptions(0, 1.0))
     assert s.scale(0, None) == 1.0
     assert s.scale(1, None) == 0.5
 
@@ -177,7 +178,7 @@ def test_decay_after_zero_decays_from_first_step() -> None:
     decay=st.one_of(st.none(), st.integers(0, 200)),
 )
 def test_schedule_strength_is_bounded(strength: float, step: int, budget: int | None, decay: int | None) -> None:
-    s = PhaseScheduleController(strength, decay_after_steps=decay)
+    s = PhaseScheduleController(strength, decay=DecayOptions(decay))
     out = s(ctx(step=step, batch=1, max_new=budget))
     assert out.shape == (1,)
     assert 0.0 <= float(out[0]) <= 1.5 * strength * (1 + 1e-6) + 1e-6
@@ -212,14 +213,14 @@ def test_phase_multipliers_validated(name: str, bad: float) -> None:
 @pytest.mark.parametrize("bad", [-1, -50, 2.5, "10"])
 def test_bad_decay_after_steps(bad: object) -> None:
     with pytest.raises(ConfigurationError, match=r"`decay_after_steps`") as exc:
-        PhaseScheduleController(1.0, decay_after_steps=bad)
+        PhaseScheduleController(1.0, decay=DecayOptions(bad))
     assert repr(bad) in str(exc.value)
 
 
 @pytest.mark.parametrize("bad", [0.0, -3.0, float("nan")])
 def test_bad_decay_half_life(bad: float) -> None:
     with pytest.raises(ConfigurationError, match=r"`decay_half_life`"):
-        PhaseScheduleController(1.0, decay_after_steps=5, decay_half_life=bad)
+        PhaseScheduleController(1.0, decay=DecayOptions(5, bad))
 
 
 def test_configuration_error_is_value_error() -> None:

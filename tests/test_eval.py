@@ -20,6 +20,7 @@ from narrative_gravity.cli.main import app
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.eval import (
     METRICS,
+    EvalModels,
     EvalSettings,
     MetricContext,
     ResultStore,
@@ -371,7 +372,7 @@ def test_run_eval_pairs_control_with_every_profile_and_skips_a_profile_that_does
     prompts = _write(tmp_path / "p.txt", "The planet\nThe crew\nOur galaxy\n")
     out = tmp_path / "run"
     run_eval(
-        _settings(prompts, [space_profile, bad]), out, model=model, tokenizer=tok, progress=False, write_report=False
+        _settings(prompts, [space_profile, bad]), out, models=EvalModels(model, tok), progress=False, write_report=False
     )
     rows, manifest, failures = load_run(out)
     summary, _ = build_summary(rows, manifest, failures)
@@ -404,7 +405,7 @@ def test_auto_profiles_and_jsonl_profile_names(tiny_model, tmp_path, space_profi
         + "\n"
     )
     out = tmp_path / "auto"
-    run_eval(_settings(f, ["auto"], seeds=(0,)), out, model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(_settings(f, ["auto"], seeds=(0,)), out, models=EvalModels(model, tok), progress=False, write_report=False)
     rows = {(r["profile"], r["prompt_index"]): r for r in ResultStore(out / "results.jsonl").load()}
     assert rows[("auto", 0)]["profile_used"] == "space" and rows[("auto", 1)]["profile_used"] == "sky"
     manifest = json.loads((out / "run.json").read_text())
@@ -413,13 +414,13 @@ def test_auto_profiles_and_jsonl_profile_names(tiny_model, tmp_path, space_profi
 
     f.write_text(json.dumps({"prompt": "x", "profile": "spaec"}) + "\n")
     with pytest.raises(ConfigurationError, match="did you mean 'space'"):
-        run_eval(_settings(f, [space_profile]), tmp_path / "x", model=model, tokenizer=tok, progress=False)
+        run_eval(_settings(f, [space_profile]), tmp_path / "x", models=EvalModels(model, tok), progress=False)
 
 
 def test_the_topic_profile_file_holds_the_auto_defaults():
     from pathlib import Path
 
-    from narrative_gravity.eval.runner import AUTO_DEFAULTS
+    from narrative_gravity.eval.settings import AUTO_DEFAULTS
     from narrative_gravity.profiles.schema import Profile, load_profile
 
     path = Path(__file__).resolve().parents[1] / "profiles" / "topic.yaml"
@@ -441,7 +442,7 @@ def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_p
                       "gravity_strength: 9.0\n")  # fmt: skip
     out = tmp_path / "arms"
     specs = ["article", "weighted:4", f"auto:{template}", "auto"]
-    run_eval(_settings(f, specs, seeds=(0,)), out, model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(_settings(f, specs, seeds=(0,)), out, models=EvalModels(model, tok), progress=False, write_report=False)
     rows = {r["profile"]: r for r in ResultStore(out / "results.jsonl").load()}
     assert set(rows) == {"control", "article", "weighted-4", "strong", "auto"}
     manifest = json.loads((out / "run.json").read_text())
@@ -454,7 +455,7 @@ def test_reference_baselines_and_template_arms_run_in_one_eval(tiny_model, tmp_p
     assert rows["weighted-4"]["trace"] is None and rows["article"]["trace"] is None
     for bad in ("weighted:x", "weighted:-1"):
         with pytest.raises(ConfigurationError, match="needs a number >= 0 after the colon"):
-            run_eval(_settings(f, [bad]), tmp_path / "bad", model=model, tokenizer=tok, progress=False)
+            run_eval(_settings(f, [bad]), tmp_path / "bad", models=EvalModels(model, tok), progress=False)
 
 
 def test_run_refuses_to_mix_runs(tiny_model, tmp_path, space_profile):
@@ -462,12 +463,12 @@ def test_run_refuses_to_mix_runs(tiny_model, tmp_path, space_profile):
     prompts = _write(tmp_path / "p.txt", "The planet\n")
     out = tmp_path / "run"
     s = _settings(prompts, [space_profile], seeds=(0,))
-    run_eval(s, out, model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(s, out, models=EvalModels(model, tok), progress=False, write_report=False)
     with pytest.raises(ConfigurationError, match="--resume"):
-        run_eval(s, out, model=model, tokenizer=tok, progress=False)
+        run_eval(s, out, models=EvalModels(model, tok), progress=False)
     other = _settings(prompts, [space_profile], seeds=(0,), max_new_tokens=7)
     with pytest.raises(ConfigurationError, match="max_new_tokens"):
-        run_eval(other, out, resume=True, model=model, tokenizer=tok, progress=False)
+        run_eval(other, out, resume=True, models=EvalModels(model, tok), progress=False)
 
 
 def test_result_store_drops_a_torn_last_line(tmp_path):

@@ -11,10 +11,19 @@ import torch
 
 from narrative_gravity.engines.prompts import encode_prompts
 from narrative_gravity.errors import ConfigurationError
-from narrative_gravity.eval import EvalSettings, MetricContext, ResultStore, Sample, compute_metrics, run_eval
+from narrative_gravity.eval import (
+    EvalModels,
+    EvalSettings,
+    MetricContext,
+    ResultStore,
+    Sample,
+    compute_metrics,
+    run_eval,
+)
+from narrative_gravity.eval.batch import _Guidance, _Runner
 from narrative_gravity.eval.chat import CHAT_REQUESTS, chat_prompts
 from narrative_gravity.eval.prompts import limit_prompts, load_prompts
-from narrative_gravity.eval.runner import _Guidance, _Runner, check_engine_arms, make_plan
+from narrative_gravity.eval.settings import check_engine_arms, make_plan
 from narrative_gravity.lead import lead_messages
 from servers import with_chat_template
 
@@ -138,7 +147,7 @@ def test_ask_and_cfg_arms_run_in_one_chat_eval(chat_model, tmp_path):
         metrics=("topic_success", "length"),
     )
     out = tmp_path / "run"
-    run_eval(settings, out, model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(settings, out, models=EvalModels(model, tok), progress=False, write_report=False)
     rows = {(r["profile"], r["prompt_index"]): r for r in ResultStore(out / "results.jsonl").load()}
     assert {a for a, _ in rows} == {"control", "ask", "cfg-1", "cfg-4"}
     for i in (0, 1):
@@ -166,7 +175,7 @@ def test_a_model_without_a_chat_template_chats_in_the_plain_frame(tiny_model, tm
         judge="none", metrics=("length",),
     )  # fmt: skip
     out = tmp_path / "run"
-    run_eval(settings, out, model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(settings, out, models=EvalModels(model, tok), progress=False, write_report=False)
     rows = {r["profile"]: r for r in ResultStore(out / "results.jsonl").load()}
     assert rows["ask"]["frame"] == "plain" and rows["control"]["frame"] == "plain"
     runner = _Runner(settings, make_plan(settings), model, tok, MetricContext(), [], lambda _: None)

@@ -14,7 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity import GravityKernel, NarrativeField, Program, StagePlan
-from narrative_gravity.gravity.controllers import ConstantController, PhaseScheduleController, ThermostatController
+from narrative_gravity.gravity.controllers import (
+    ConstantController,
+    DecayOptions,
+    PhaseScheduleController,
+    ThermostatController,
+    ThermostatOptions,
+)
 from narrative_gravity.gravity.require import Requirement
 from narrative_gravity.gravity.tilt import apply_gravity
 
@@ -47,13 +53,13 @@ def _programs() -> list[Program]:
         Program(field=_field(3), schedule=ConstantController(2.0).schedule(1)[0], key="constant"),
         Program(
             field=_field(4),
-            schedule=PhaseScheduleController(3.0, decay_after_steps=2).schedule(1)[0],
+            schedule=PhaseScheduleController(3.0, decay=DecayOptions(2)).schedule(1)[0],
             repeat_weight=0.25,
             key="phases-repeat",
         ),
         Program(
             field=_field(5),
-            schedule=ThermostatController(5.0, drift_window=3, candidates=4).schedule(1)[0],
+            schedule=ThermostatController(5.0, ThermostatOptions(drift_window=3, candidates=4)).schedule(1)[0],
             repeat_weight=0.0,
             key="thermostat",
         ),
@@ -67,11 +73,15 @@ def _programs() -> list[Program]:
         ),
         Program(
             field=_field(9),
-            schedule=ThermostatController(3.0, candidates=4).schedule(1)[0],
+            schedule=ThermostatController(3.0, ThermostatOptions(candidates=4)).schedule(1)[0],
             requirement=_requirement(force=False),
             key="require-soft",
         ),
-        Program(stages=stages, schedule=ThermostatController(4.0, drift_scope="text").schedule(1)[0], key="stages"),
+        Program(
+            stages=stages,
+            schedule=ThermostatController(4.0, ThermostatOptions(drift_scope="text")).schedule(1)[0],
+            key="stages",
+        ),
     ]
 
 

@@ -95,7 +95,7 @@ def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> No
 
 
 def test_an_eval_arm_pulls_with_the_budget_while_it_reads_the_sentence(tiny_model, tmp_path) -> None:
-    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval import EvalModels, EvalSettings, run_eval
     from narrative_gravity.eval.store import ResultStore
 
     model, tok = tiny_model
@@ -112,7 +112,7 @@ def test_an_eval_arm_pulls_with_the_budget_while_it_reads_the_sentence(tiny_mode
         prompts=str(prompts), profiles=tuple(str(a) for a in arms.values()), seeds=(0,), max_new_tokens=10,
         batch_size=2, raw=True, judge="none", metrics=("distinct_2",),
     )  # fmt: skip
-    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(settings, tmp_path / "run", models=EvalModels(model, tok), progress=False, write_report=False)
     rows = ResultStore(tmp_path / "run" / "results.jsonl").load()
     kl = {a: max(k for r in rows if r["profile"] == a for k in r["trace"]["kl"]) for a in arms}
     assert all(r["lead"] == "The following is about the." for r in rows if r["profile"] == "read")
@@ -169,7 +169,7 @@ def test_generate_reads_the_sentence_and_returns_only_the_continuation(tiny_mode
 
 
 def test_an_eval_arm_with_a_lead_reads_it_and_control_does_not(tiny_model, tmp_path) -> None:
-    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval import EvalModels, EvalSettings, run_eval
     from narrative_gravity.eval.store import ResultStore
 
     model, tok = tiny_model
@@ -184,7 +184,7 @@ def test_an_eval_arm_with_a_lead_reads_it_and_control_does_not(tiny_model, tmp_p
         prompts=str(prompts), profiles=(str(arm),), seeds=(0,), max_new_tokens=6, batch_size=2, raw=True,
         judge="none", metrics=("distinct_2",),
     )  # fmt: skip
-    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(settings, tmp_path / "run", models=EvalModels(model, tok), progress=False, write_report=False)
     rows = {(r["profile"], r["prompt"]): r for r in ResultStore(tmp_path / "run" / "results.jsonl").load()}
     opts = GenerationOptions(max_new_tokens=6, top_k=10, temperature=1.0, seed=0)
     for text in ("The crew", "Our galaxy"):
@@ -209,7 +209,7 @@ def test_the_sentence_can_name_the_required_words_per_prompt(tiny_model, tmp_pat
 
     import json
 
-    from narrative_gravity.eval import EvalSettings, run_eval
+    from narrative_gravity.eval import EvalModels, EvalSettings, run_eval
     from narrative_gravity.eval.store import ResultStore
 
     model, tok = tiny_model
@@ -225,7 +225,7 @@ def test_the_sentence_can_name_the_required_words_per_prompt(tiny_model, tmp_pat
         prompts=str(prompts), profiles=(f"auto:{arm}",), seeds=(0,), max_new_tokens=8, batch_size=2, raw=True,
         judge="none", metrics=("required_inclusion",),
     )  # fmt: skip
-    run_eval(settings, tmp_path / "run", model=model, tokenizer=tok, progress=False, write_report=False)
+    run_eval(settings, tmp_path / "run", models=EvalModels(model, tok), progress=False, write_report=False)
     led = {r["prompt"]: r for r in ResultStore(tmp_path / "run" / "results.jsonl").load() if r["profile"] == "lead"}
     assert led["The crew"]["lead"] == "It mentions comet and moon."
     assert led["Our galaxy"]["lead"] == "It mentions orbit."

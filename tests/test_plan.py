@@ -10,6 +10,7 @@ from narrative_gravity.engines.hf import NarrativeGravityLogitsProcessor
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.fields import NarrativeField
 from narrative_gravity.fields.lexical import surface_forms
+from narrative_gravity.gravity.kernel import Program
 from narrative_gravity.gravity.stages import StagePlan
 from narrative_gravity.levels.plan import Outline, parse_outline, score_outlines, select_outlines, stages_from_outline
 from narrative_gravity.levels.ranking import hashing_encoder
@@ -267,9 +268,9 @@ def test_processor_validation(tiny_tokenizer):
     with pytest.raises(ConfigurationError, match="fields"):
         StagePlan((), ())
     with pytest.raises(ConfigurationError, match="max_new_tokens"):
-        NarrativeGravityLogitsProcessor(stages=StagePlan((f,), (1.0,)), max_new_tokens=0)
+        NarrativeGravityLogitsProcessor(Program(stages=StagePlan((f,), (1.0,))), max_new_tokens=0)
     with pytest.raises(ConfigurationError, match="max_new_tokens"):
-        NarrativeGravityLogitsProcessor(stages=StagePlan((f,), (1.0,)))
+        NarrativeGravityLogitsProcessor(Program(stages=StagePlan((f,), (1.0,))))
     with pytest.raises(ConfigurationError, match="cover_fraction"):
         StagePlan((f,), (1.0,), cover_fraction=0)
 
@@ -324,7 +325,7 @@ def test_plan_then_write_pulls_with_the_topic_default_unless_told_otherwise(tiny
     ctrl = default["controller"]
     assert isinstance(ctrl, ThermostatController) and default["repeat_weight"] == 0.0
     knobs = TOPIC_DEFAULTS["thermostat"]
-    assert ctrl._rows == (knobs["max_strength"],) and ctrl.strict_target == knobs["strict_target"]
+    assert ctrl._rows == (knobs["max_strength"],) and ctrl.options.strict_target == knobs["strict_target"]
     # the earlier pull: lexical stages alone, constant λ, no repeat damping
     plan_then_write(
         model,

@@ -20,6 +20,7 @@ from narrative_gravity.gravity.controllers import (
     StepContext,
     ThermostatController,
 )
+from narrative_gravity.gravity.kernel import Program
 from narrative_gravity.gravity.thermo import Trace, measure
 from narrative_gravity.gravity.tilt import apply_gravity
 
@@ -87,7 +88,7 @@ def test_per_row_strengths() -> None:
 
 
 def test_scores_are_not_modified_in_place() -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=2.0, prune_threshold=-0.5)
+    proc = NarrativeGravityLogitsProcessor(Program(plain_field(), prune_threshold=-0.5), strength=2.0)
     s = scores()
     before = s.clone()
     out = proc(torch.tensor([[0], [0]]), s)
@@ -187,8 +188,8 @@ def test_repeat_weight_scales_generated_narrative_tokens_on_both_paths(
     logits = torch.randn(batch, 40, generator=g)
     outs = []
     for proc in (
-        NarrativeGravityLogitsProcessor(field, strength=2.0, repeat_weight=weight),
-        NarrativeGravityLogitsProcessor(field, DenseConstant(2.0), repeat_weight=weight),
+        NarrativeGravityLogitsProcessor(Program(field, repeat_weight=weight), strength=2.0),
+        NarrativeGravityLogitsProcessor(Program(field, repeat_weight=weight), DenseConstant(2.0)),
     ):
         proc(ids[:, :prompt], logits)  # the prompt: nothing generated yet
         for t in range(prompt + 1, ids.shape[1] + 1):
@@ -204,7 +205,7 @@ def test_repeat_weight_scales_generated_narrative_tokens_on_both_paths(
 
 
 def test_repeat_weight_leaves_prompt_tokens_and_penalties_alone() -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=2.0, repeat_weight=0.0)
+    proc = NarrativeGravityLogitsProcessor(Program(plain_field(), repeat_weight=0.0), strength=2.0)
     first = proc(torch.tensor([[0, 4]]), torch.zeros(1, V))  # 0 and 4 are in the prompt only
     assert first[0].tolist() == [2.0, 1.0, 0.0, 0.0, -1.0, -2.0]
     out = proc(torch.tensor([[0, 4, 1]]), torch.zeros(1, V))  # token 1 was generated; then 5, a penalty
@@ -216,7 +217,7 @@ def test_repeat_weight_leaves_prompt_tokens_and_penalties_alone() -> None:
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
 def test_bad_repeat_weight(bad: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"`repeat_weight`"):
-        NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, repeat_weight=bad)
+        NarrativeGravityLogitsProcessor(Program(plain_field(), repeat_weight=bad), strength=1.0)
 
 
 def test_controller_without_needs_field_gets_the_dense_field() -> None:
@@ -423,7 +424,7 @@ def test_trace_on_records_pull() -> None:
     ("threshold", "pruned"), [(-1.0, [5]), (-0.5, [4, 5]), (0.0, [2, 3, 4, 5]), (0.5, [1, 2, 3, 4, 5])]
 )
 def test_prune_threshold_masks_at_or_below(threshold: float, pruned: list[int]) -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, prune_threshold=threshold)
+    proc = NarrativeGravityLogitsProcessor(Program(plain_field(), prune_threshold=threshold), strength=1.0)
     s = scores()
     out = proc(torch.tensor([[1], [2]]), s)
     kept = [i for i in range(V) if i not in pruned]
@@ -433,7 +434,7 @@ def test_prune_threshold_masks_at_or_below(threshold: float, pruned: list[int]) 
 
 
 def test_prune_never_empties_a_row() -> None:
-    proc = NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, prune_threshold=0.5)
+    proc = NarrativeGravityLogitsProcessor(Program(plain_field(), prune_threshold=0.5), strength=1.0)
     s = torch.full((1, V), NEG_INF)
     s[0, 3] = 0.0  # the only candidate is a pruned token
     out = proc(torch.tensor([[1]]), s)
@@ -480,7 +481,7 @@ def test_bad_max_new_tokens(bad: Any) -> None:
 @pytest.mark.parametrize("bad", [1.0, 1.5, -1.01, float("nan")])
 def test_prune_threshold_out_of_range(bad: float) -> None:
     with pytest.raises(ConfigurationError, match=r"`prune_threshold` has to be in \[-1, 1\)"):
-        NarrativeGravityLogitsProcessor(plain_field(), strength=1.0, prune_threshold=bad)
+        NarrativeGravityLogitsProcessor(Program(plain_field(), prune_threshold=bad), strength=1.0)
 
 
 @pytest.mark.parametrize("bad", [0, -1])

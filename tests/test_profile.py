@@ -11,7 +11,7 @@ import pytest
 
 from narrative_gravity.errors import ProfileError
 from narrative_gravity.fields import expand_keywords
-from narrative_gravity.gravity.controllers import PhaseScheduleController
+from narrative_gravity.gravity.controllers import DecayOptions, PhaseScheduleController
 from narrative_gravity.profiles.build import phase_args, thermostat_args
 from narrative_gravity.profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile, load_profile
 
@@ -132,7 +132,7 @@ def test_compounds_split_like_profiles(word: str, parts: list[str]) -> None:
 def test_controller_kwargs_build_a_schedule() -> None:
     p = Profile.from_mapping({**CLASSIC, "phases": {"explore": 0.25}, "decay_half_life": 10})
     kw = phase_args(p)
-    assert kw["decay_after_steps"] == 50 and kw["decay_half_life"] == 10.0 and kw["explore"] == 0.25
+    assert kw["decay"] == DecayOptions(after_steps=50, half_life=10.0) and kw["explore"] == 0.25
     sched = PhaseScheduleController(p.gravity_strength, **kw)
     assert sched.scale(0, 100) == 0.25
     assert abs(sched.scale(60, 100) - 0.5) < 1e-12  # converge 1.0, decayed by one half-life

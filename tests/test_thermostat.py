@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from narrative_gravity.engines.hf import processor_from_profile
 from narrative_gravity.errors import ConfigurationError, ProfileError
 from narrative_gravity.gravity import thermo
-from narrative_gravity.gravity.controllers import StepContext, StrengthController, ThermostatController
+from narrative_gravity.gravity.controllers import (
+    DecayOptions,
+    StepContext,
+    StrengthController,
+    ThermostatController,
+    ThermostatOptions,
+)
 from narrative_gravity.gravity.solve import MAX_THERMOSTAT_STRENGTH, MassProblem, solve_strength
 from narrative_gravity.gravity.thermo import Trace, Workspace, measure, probabilities
 from narrative_gravity.profiles.build import controller_from_profile, thermostat_args
@@ -382,23 +388,23 @@ def test_is_a_strength_controller() -> None:
 
 
 def test_default_targets() -> None:
-    c = ThermostatController(drift_gain=0.0)
+    c = ThermostatController(6.0, ThermostatOptions(drift_gain=0.0))
     assert [c.target(flat_ctx(step=s)).item() for s in (0, 50, 90)] == pytest.approx([0.08, 0.25, 0.4])
     d = ThermostatController()
-    assert (d.drift_gain, d.drift_share, d.drift_window) == (0.15, 0.125, 8)
-    assert (d.entropy_low, d.entropy_high, d.max_target) == (0.05, 0.25, 0.95)
+    assert (d.options.drift_gain, d.options.drift_share, d.options.drift_window) == (0.15, 0.125, 8)
+    assert (d.options.entropy_low, d.options.entropy_high, d.options.max_target) == (0.05, 0.25, 0.95)
     assert d.base(1, "cpu").item() == 6.0
     # the profile carries the same feedback defaults, and the topic default's targets and λ_max
     kwargs = thermostat_args(Profile(core_semantics=["orbit"]))
+    opts = kwargs["options"]
     for name in ("drift_gain", "drift_share", "drift_window", "entropy_low", "entropy_high", "max_target"):
-        assert kwargs[name] == getattr(d, name), name
-    assert [kwargs[k] for k in ("explore_target", "converge_target", "strict_target", "max_strength")] == (
-        pytest.approx([0.4, 0.6, 0.8, 4.25])
-    )
+        assert getattr(opts, name) == getattr(d.options, name), name
+    targets = [getattr(opts, k) for k in ("explore_target", "converge_target", "strict_target")]
+    assert [*targets, kwargs["max_strength"]] == pytest.approx([0.4, 0.6, 0.8, 4.25])
 
 
 def test_phase_targets_follow_the_budget() -> None:
-    c = ThermostatController(6.0, **PIN, drift_gain=0.0)
+    c = ThermostatController(6.0, ThermostatOptions(**PIN, drift_gain=0.0))
     targets = [c.target(flat_ctx(step=s)).item() for s in (0, 19, 20, 79, 80, 99)]
     assert targets == pytest.approx([0.05, 0.05, 0.2, 0.2, 0.35, 0.35])
     lams = [c(flat_ctx(step=s)).item() for s in (0, 50, 90)]
@@ -409,7 +415,7 @@ def test_phase_targets_follow_the_budget() -> None:
 
 
 def test_pull_reaches_the_target_mass() -> None:
-    c = ThermostatController(8.0, **PIN, drift_gain=0.0)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_gain=0.0))
     ctx = flat_ctx(step=90)  # strict: 0.35
     lam = c(ctx)
     m = measure(ctx.logits, ctx.field, lam).mass_after.item()
@@ -417,7 +423,7 @@ def test_pull_reaches_the_target_mass() -> None:
 
 
 def test_confident_step_is_left_alone() -> None:
-    c = ThermostatController(8.0, **PIN)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN))
     logits = torch.zeros(2, V)
     logits[:, 40] = 30.0  # the model is sure of an off-narrative token
     ctx = flat_ctx(batch=2, step=90, logits=logits)
@@ -426,7 +432,7 @@ def test_confident_step_is_left_alone() -> None:
 
 
 def test_entropy_gate_scales_the_target() -> None:
-    c = ThermostatController(8.0, **PIN, drift_gain=0.0, entropy_low=0.2, entropy_high=0.6)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_gain=0.0, entropy_low=0.2, entropy_high=0.6))
     logits = torch.zeros(3, V)
     logits[1, :8] = 50.0  # 8 equally likely tokens: H / log V = log 8 / log 64 = 0.5
     logits[2, 0] = 50.0  # H = 0
@@ -441,7 +447,7 @@ def ids_with(tail: list[int], prompt: int = 5) -> torch.Tensor:
 
 
 def test_drift_raises_the_target() -> None:
-    c = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=4, drift_gain=0.4, drift_share=1.0))
     on = c.target(flat_ctx(step=4, input_ids=ids_with([0, 1, 0, 1]))).item()
     half = c.target(flat_ctx(step=4, input_ids=ids_with([0, 30, 1, 31]))).item()
     off = c.target(flat_ctx(step=4, input_ids=ids_with([30, 31, 32, 33]))).item()
@@ -454,18 +460,18 @@ def test_drift_raises_the_target() -> None:
 
 
 def test_drift_share_sets_what_counts_as_on_the_narrative() -> None:
-    c = ThermostatController(8.0, **PIN, drift_window=8, drift_gain=0.4)  # default drift_share 1/8
-    assert c.drift_share == 0.125
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=8, drift_gain=0.4))  # default drift_share 1/8
+    assert c.options.drift_share == 0.125
     one_in_eight = ids_with([0] + [30] * 7)
     none = ids_with([30] * 8)
     assert c.target(flat_ctx(step=8, input_ids=one_in_eight)).item() == pytest.approx(0.05)
     assert c.target(flat_ctx(step=8, input_ids=none)).item() == pytest.approx(0.05 + 0.4)
-    quarter = ThermostatController(8.0, **PIN, drift_window=8, drift_gain=0.4, drift_share=0.25)
+    quarter = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=8, drift_gain=0.4, drift_share=0.25))
     assert quarter.target(flat_ctx(step=8, input_ids=one_in_eight)).item() == pytest.approx(0.05 + 0.2)
 
 
 def test_drift_reads_only_generated_tokens_and_the_window() -> None:
-    c = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=4, drift_gain=0.4, drift_share=1.0))
     # step 0: the off-narrative prompt is not drift
     t = c.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[30, 31, 32]]))).item()
     assert t == pytest.approx(0.05)
@@ -478,7 +484,9 @@ def test_drift_reads_only_generated_tokens_and_the_window() -> None:
 
 
 def test_drift_over_the_text_reads_the_prompt_too() -> None:
-    c = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0, drift_scope="text")
+    c = ThermostatController(
+        8.0, ThermostatOptions(**PIN, drift_window=4, drift_gain=0.4, drift_share=1.0, drift_scope="text")
+    )
     # step 0: an off-narrative prompt is drift
     t = c.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[30, 31, 32, 33]]))).item()
     assert t == pytest.approx(0.05 + 0.4)
@@ -492,8 +500,8 @@ def test_drift_over_the_text_reads_the_prompt_too() -> None:
     t = c.target(flat_ctx(step=2, budget=None, input_ids=torch.tensor([[30, 31, 32, 33, 0, 40]]))).item()
     assert t == pytest.approx(0.05 + 0.4 * 3 / 4)
     # the generated scope ignores the prompt (the default)
-    g = ThermostatController(8.0, **PIN, drift_window=4, drift_gain=0.4, drift_share=1.0)
-    assert g.drift_scope == "generated"
+    g = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=4, drift_gain=0.4, drift_share=1.0))
+    assert g.options.drift_scope == "generated"
     assert g.target(flat_ctx(step=0, budget=None, input_ids=torch.tensor([[30, 31, 32, 33]]))).item() == (
         pytest.approx(0.05)
     )
@@ -504,8 +512,10 @@ def test_drift_uses_the_base_values_when_given() -> None:
     base[30] = 1.0  # token 30 is on the narrative in the base field, not in the step field
     step_field = torch.zeros(V)
     step_field[:2] = 1.0
-    with_base = ThermostatController(8.0, **PIN, drift_window=2, drift_gain=0.4, drift_share=1.0, drift_values=base)
-    without = ThermostatController(8.0, **PIN, drift_window=2, drift_gain=0.4, drift_share=1.0)
+    with_base = ThermostatController(
+        8.0, ThermostatOptions(**PIN, drift_window=2, drift_gain=0.4, drift_share=1.0), drift_values=base
+    )
+    without = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=2, drift_gain=0.4, drift_share=1.0))
     ctx = flat_ctx(step=2, budget=None, input_ids=ids_with([30, 30]), field=step_field)
     assert with_base.target(ctx).item() == pytest.approx(0.05)
     assert without.target(ctx).item() == pytest.approx(0.45)
@@ -515,7 +525,7 @@ def test_drift_uses_the_base_values_when_given() -> None:
 
 
 def test_drift_per_row_with_a_per_row_field() -> None:
-    c = ThermostatController(8.0, **PIN, drift_window=2, drift_gain=0.4, drift_share=1.0)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_window=2, drift_gain=0.4, drift_share=1.0))
     field = torch.zeros(2, V)
     field[0, 5] = 1.0
     field[1, 6] = 1.0
@@ -525,14 +535,18 @@ def test_drift_per_row_with_a_per_row_field() -> None:
 
 
 def test_target_is_capped_and_decays() -> None:
-    c = ThermostatController(8.0, **{**PIN, "strict_target": 0.9}, drift_gain=0.5, max_target=0.7, drift_window=2)
+    c = ThermostatController(
+        8.0, ThermostatOptions(**{**PIN, "strict_target": 0.9}, drift_gain=0.5, max_target=0.7, drift_window=2)
+    )
     assert c.target(flat_ctx(step=95, input_ids=ids_with([40, 41]))).item() == pytest.approx(0.7)
-    d = ThermostatController(8.0, **PIN, drift_gain=0.0, decay_after_steps=10, decay_half_life=5.0)
+    d = ThermostatController(
+        8.0, ThermostatOptions(**PIN, drift_gain=0.0), decay=DecayOptions(after_steps=10, half_life=5.0)
+    )
     assert d.target(flat_ctx(step=15, budget=None)).item() == pytest.approx(0.1)
 
 
 def test_per_row_max_strength_and_beams() -> None:
-    c = ThermostatController([1.0, 8.0], **PIN)
+    c = ThermostatController([1.0, 8.0], ThermostatOptions(**PIN))
     logits = torch.zeros(4, V)
     lam = c(flat_ctx(batch=4, step=90, logits=logits))  # 2 prompts × 2 beams
     assert lam[0] == lam[1] == 1.0  # infeasible under λ_max = 1
@@ -540,7 +554,7 @@ def test_per_row_max_strength_and_beams() -> None:
 
 
 def test_field_edited_in_place_is_seen() -> None:
-    c = ThermostatController(8.0, **PIN, drift_gain=0.0, candidates=4)
+    c = ThermostatController(8.0, ThermostatOptions(**PIN, drift_gain=0.0, candidates=4))
     field = torch.zeros(V)
     field[:2] = 1.0
     first = c(flat_ctx(step=90, field=field)).item()
@@ -575,8 +589,12 @@ def test_controller_needs_logits_and_field() -> None:
     ],
 )
 def test_constructor_validates(kwargs: dict[str, Any], match: str) -> None:
+    kwargs = dict(kwargs)
+    args = {k: kwargs.pop(k) for k in ("max_strength", "drift_values") if k in kwargs}
     with pytest.raises(ConfigurationError, match=match):
-        ThermostatController(**kwargs)
+        if "decay_half_life" in kwargs:
+            args["decay"] = DecayOptions(half_life=kwargs.pop("decay_half_life"))
+        ThermostatController(**args, options=ThermostatOptions(**kwargs))
 
 
 def test_max_strength_cap_is_documented_value() -> None:
@@ -604,7 +622,12 @@ def test_profile_defaults_and_controller() -> None:
     )
     c = controller_from_profile(custom)
     assert c.base(1, "cpu").item() == 3.0
-    assert (c.strict_target, c.drift_window, c.entropy_high, c.decay_after_steps) == (0.5, 4, 0.4, 30)
+    assert (c.options.strict_target, c.options.drift_window, c.options.entropy_high, c.decay.after_steps) == (
+        0.5,
+        4,
+        0.4,
+        30,
+    )
 
 
 @pytest.mark.parametrize(
@@ -726,7 +749,7 @@ def test_kl_budget_steps_hold_the_budget_for_the_first_tokens_only(tiny_model: t
     ).row()
     assert (row["kl_budget"], row["kl_budget_steps"], row["late_kl_budget"]) == (0.0, 64, 0.3)
     with pytest.raises(ConfigurationError, match="kl_budget_steps"):
-        ThermostatController(4.0, kl_budget=0.1, kl_budget_steps=0)
+        ThermostatController(4.0, ThermostatOptions(kl_budget=0.1, kl_budget_steps=0))
 
 
 @settings(max_examples=200, deadline=None)

@@ -51,8 +51,9 @@ def generate(args: argparse.Namespace) -> None:
     from narrative_gravity.engines.hf_generate import sample_ids
     from narrative_gravity.engines.options import GenerationOptions
     from narrative_gravity.engines.prompts import chat_ids
+    from narrative_gravity.eval.batch import _Guidance, _Runner
     from narrative_gravity.eval.metrics import MetricContext
-    from narrative_gravity.eval.runner import CONTROL, EvalSettings, _Guidance, _Runner, make_plan
+    from narrative_gravity.eval.runner import CONTROL, EvalSettings, make_plan
     from narrative_gravity.lead import lead_messages
     from narrative_gravity.models import load_model
 

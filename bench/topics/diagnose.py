@@ -35,7 +35,7 @@ from run_io import read_run, write_outputs
 
 from narrative_gravity.eval.lexicon import TEST_TOPICS, TUNE_TOPICS, clean_words, read_categories
 from narrative_gravity.eval.prompts import split_wordlist
-from narrative_gravity.eval.runner import AUTO_DEFAULTS
+from narrative_gravity.eval.settings import AUTO_DEFAULTS
 from narrative_gravity.models import load_tokenizer
 from narrative_gravity.profiles.build import field_from_profile
 from narrative_gravity.profiles.schema import Profile, load_profile

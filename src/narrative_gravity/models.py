@@ -148,7 +148,7 @@ _CONVERSION_MARK = "ngrav-conversion.json"
 
 def gguf_add_bos(path: Path) -> bool | None:
     """The GGUF file's ``tokenizer.ggml.add_bos_token`` (``None`` when the file does not say)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # `import narrative_gravity` stays light: gguf loads when a GGUF file is read
 
     field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
     return None if field is None else bool(field.parts[field.data[0]][0])
@@ -167,8 +167,8 @@ def _converted(target: Path, *, with_model: bool) -> bool:
 
 def _convert_and_cache(source: ModelSource, cache_dir: Path, *, with_model: bool) -> Path:
     """De-quantize a GGUF file once and save it as a HF folder; atomic against concurrent writers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # `import narrative_gravity` and `ngrav --help` stay light: torch loads with the model
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # (likewise)
 
     target = _converted_folder(source, cache_dir)
     if _converted(target, with_model=with_model):
@@ -219,7 +219,7 @@ def hf_folder(name_or_path: str | os.PathLike[str] | None = None, *, cache_dir: 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None) -> Any:
     """Load only the tokenizer of a model (converted and cached on first use for GGUF files)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # `import narrative_gravity` and `ngrav --help` stay light
 
     source = resolve_model(name_or_path)
     cached = _converted_folder(source, resolve_cache_dir(cache_dir)) if source.gguf_file else None
@@ -248,7 +248,7 @@ def resolve_device(device: str = "cpu") -> str:
     ...
     narrative_gravity.errors.ConfigurationError: unknown device 'tpu'; use cpu, cuda, cuda:N, mps or auto (CUDA, then MPS, then the CPU)
     """
-    import torch
+    import torch  # `import narrative_gravity` and `ngrav --help` stay light: torch loads with the model
 
     name = str(device).strip().lower()
     if name == "auto":
@@ -291,8 +291,8 @@ def load_model(
 
     The tokenizer pads on the left, as batched generation needs.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # `import narrative_gravity` and `ngrav --help` stay light: torch loads with the model
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # (likewise)
 
     device = resolve_device(device)
     source = resolve_model(name_or_path)

@@ -26,7 +26,7 @@ def pyplot() -> Any | None:
         import matplotlib  # the `plot` extra, imported on first use
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): the backend is chosen before pyplot loads
     except ImportError:  # pragma: no cover - depends on the environment
         return None
     return plt

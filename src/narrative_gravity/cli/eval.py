@@ -126,13 +126,14 @@ def eval_command(
         check_model(model)
         if engine == "vllm":
             vllm_engine()
-    guarded(
-        lambda: command.run_command(
+    if report_only:
+        guarded(lambda: command.report_command(out))
+        return
+    settings = guarded(
+        lambda: runner.EvalSettings(
             prompts=prompts,
-            profiles=list(profile or []),
-            out=out,
-            samples=samples,
-            seeds=seeds,
+            profiles=tuple(profile or []),
+            seeds=command.parse_seeds(seeds, samples),
             max_new_tokens=max_new_tokens,
             top_k=top_k,
             temperature=temperature,
@@ -140,12 +141,11 @@ def eval_command(
             batch_size=batch_size,
             model=model,
             judge=judge,
-            metrics=metrics,
+            metrics=command.parse_metrics(metrics),
             limit_prompts=limit_prompts,
             auto_template=auto_template,
-            resume=resume,
-            report_only=report_only,
             engine=engine,
             chat_frame=chat_frame,
         )
     )
+    guarded(lambda: command.run_command(settings, out, resume=resume))

@@ -269,7 +269,10 @@ def report(
 
         ngrav profile report space --server http://127.0.0.1:8000 --json
     """
-    from ..eval.rollout_report import build_report, render_report  # the statistics import the evaluation
+    from ..eval.rollout_report import (  # the statistics import the evaluation (torch): not for --help
+        build_report,
+        render_report,
+    )
 
     if server is not None:
         data = _remote_report(server, name, api_key)

@@ -14,6 +14,7 @@ tokens and the logits, and the kernel does the math. Every row shares a step her
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,6 @@ from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..gravity.controllers import ConstantController, ScheduleController, StepContext, StrengthController
 from ..gravity.field import NarrativeField
 from ..gravity.kernel import GravityKernel, Program
-from ..gravity.require import Requirement
 from ..gravity.schedule import COLUMNS
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
@@ -39,59 +39,63 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
     """Add ``λ·a`` to the scores of every row, with λ chosen per row and step by a schedule.
 
     Args:
-        field: the :class:`~narrative_gravity.fields.NarrativeField` (built once, applied every step).
+        field: the :class:`~narrative_gravity.fields.NarrativeField` (built once, applied every step), or a kernel
+            :class:`~narrative_gravity.gravity.kernel.Program` when the pull has more to it than a field: its
+            ``stages`` (a :class:`~narrative_gravity.gravity.stages.StagePlan`, see
+            :func:`narrative_gravity.profiles.build.stage_plan`: each row pulls toward its current stage's field;
+            :attr:`stage` holds each row's stage after a call), ``repeat_weight`` (the share of its pull a
+            narrative token keeps once the row has generated it; below 1 the pull moves on to narrative tokens not
+            yet written), ``prune_threshold`` (mask tokens whose field value is at or below it) and
+            ``requirement`` (words the text must contain before it ends, built by
+            :func:`~narrative_gravity.fields.required.build_requirement`; needs ``max_new_tokens`` to force them).
+            :func:`~narrative_gravity.profiles.build.program_from_profile` builds one from a profile; the
+            controller's schedule replaces the program's.
         controller: a schedule (:class:`~narrative_gravity.gravity.controllers.ConstantController`,
             ``PhaseScheduleController``, ``ThermostatController``) or any callable of a
             :class:`~narrative_gravity.gravity.controllers.StepContext`; defaults to a constant ``strength``.
         strength: λ (one float, or one per prompt) when no controller is given.
         max_new_tokens: the token budget, so schedules know where the end is (needed with ``stages``).
-        prune_threshold: mask tokens whose field value is at or below this (true pruning); ``None`` = off.
         trace: a :class:`~narrative_gravity.gravity.thermo.Trace` to record entropy, mass, KL and λ; ``None``
             = off and free.
         measure_only: record the trace but return the scores unchanged (the control run).
         nan_check_every: read the NaN flag back every this many steps; defaults to every step on CPU and
             every 16 steps on accelerators, so that no step waits on the device.
-        repeat_weight: the share of its pull a narrative token (``a > 0``) keeps once the row has generated
-            it (prompt tokens do not count). ``1`` = no change; below 1 the pull moves on to narrative tokens
-            not yet written, which spreads the text over its topic instead of repeating one word.
-        stages: a :class:`~narrative_gravity.gravity.stages.StagePlan` (see
-            :func:`narrative_gravity.profiles.build.stage_plan`): each row pulls toward its current stage's field
-            instead of ``field``; :attr:`stage` holds each row's stage after a call.
-        requirement: words the text must contain before it ends
-            (:class:`~narrative_gravity.gravity.require.Requirement`, built by
-            :func:`~narrative_gravity.fields.required.build_requirement`); needs ``max_new_tokens`` to force them.
         inplace: pull the scores where they are and return them, instead of a new tensor (saves a copy of
             ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
             so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
             default; ``ngrav`` turns it on (narrative_gravity.engines.hf.processor_from_profile's ``inplace``).
 
     By default scores are returned as a new tensor and the input is never modified.
+
+    >>> from narrative_gravity.fields import NarrativeField
+    >>> from narrative_gravity.gravity.kernel import Program
+    >>> field = NarrativeField(values=torch.tensor([1.0, 0.0, -1.0]))
+    >>> once = NarrativeGravityLogitsProcessor(Program(field, repeat_weight=0.0), strength=2.0)
+    >>> once(torch.tensor([[1]]), torch.zeros(1, 3)).tolist(), once(torch.tensor([[1, 0]]), torch.zeros(1, 3)).tolist()
+    ([[2.0, 0.0, -2.0]], [[0.0, 0.0, -2.0]])
     """
 
     def __init__(
         self,
-        field: NarrativeField | None = None,
+        field: NarrativeField | Program | None = None,
         controller: StrengthController | None = None,
         *,
         strength: float | Sequence[float] | None = None,
         max_new_tokens: int | None = None,
-        prune_threshold: float | None = None,
         trace: Trace | None = None,
         measure_only: bool = False,
         nan_check_every: int | None = None,
-        repeat_weight: float = 1.0,
-        stages: StagePlan | None = None,
-        requirement: Requirement | None = None,
         inplace: bool = False,
     ) -> None:
-        if stages is None and not isinstance(field, NarrativeField):
+        program = field if isinstance(field, Program) else None
+        if program is None and not isinstance(field, NarrativeField):
             raise ConfigurationError(
-                f"`field` has to be a NarrativeField, but is {type(field).__name__}; build one with "
-                "narrative_gravity.fields.build_lexical_field(tokenizer, words)"
+                f"`field` has to be a NarrativeField (or a kernel Program), but is {type(field).__name__}; build one "
+                "with narrative_gravity.fields.build_lexical_field(tokenizer, words)"
             )
-        if stages is not None and not isinstance(stages, StagePlan):
+        if program is not None and program.stages is not None and not isinstance(program.stages, StagePlan):
             raise ConfigurationError(
-                f"`stages` has to be a StagePlan, but is {type(stages).__name__}; build one with "
+                f"`stages` has to be a StagePlan, but is {type(program.stages).__name__}; build one with "
                 "narrative_gravity.profiles.build.stage_plan(tokenizer, stages)"
             )
         if controller is not None and strength is not None:
@@ -104,28 +108,24 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0
         ):
             raise ConfigurationError(f"`max_new_tokens` has to be a positive integer, but is {max_new_tokens!r}")
-        if stages is not None and max_new_tokens is None:
+        if program is not None and program.stages is not None and max_new_tokens is None:
             raise ConfigurationError("`stages` divide the token budget by their shares; pass max_new_tokens")
         if nan_check_every is not None and nan_check_every < 1:
             raise ConfigurationError(f"`nan_check_every` has to be >= 1, but is {nan_check_every!r}")
-        self.field = field
         self.controller = controller
         self.max_new_tokens = max_new_tokens
-        self.prune_threshold = prune_threshold
         self.trace = trace
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
         self.inplace = bool(inplace)
         self._builtin = isinstance(controller, ScheduleController)
         schedule = controller.schedule(len(controller._rows))[0] if self._builtin else np.zeros(len(COLUMNS))
-        self.program = Program(
-            field=field,
-            stages=stages,
-            schedule=schedule,
-            repeat_weight=repeat_weight,
-            prune_threshold=prune_threshold,
-            requirement=requirement,
-        )
+        if program is None:
+            self.program = Program(field=field, schedule=schedule)
+        else:
+            self.program = dataclasses.replace(program, schedule=schedule)
+        self.field = self.program.field
+        self.prune_threshold = self.program.prune_threshold
         self.repeat_weight = self.program.repeat_weight
         self.kernel: GravityKernel | None = None
         self.last_strength: torch.Tensor | None = None
@@ -274,15 +274,8 @@ def processor_from_profile(
         raise ConfigurationError(
             "this profile declares `stages`, whose shares divide the token budget; pass max_new_tokens"
         )
+    if measure_only:  # the control run measures against the profile's own field, and pulls nothing
+        program = dataclasses.replace(program, stages=None, requirement=None)
     return NarrativeGravityLogitsProcessor(
-        program.field,
-        controller,
-        stages=None if measure_only else program.stages,
-        max_new_tokens=max_new_tokens,
-        prune_threshold=program.prune_threshold,
-        trace=trace,
-        measure_only=measure_only,
-        repeat_weight=program.repeat_weight,
-        requirement=None if measure_only else program.requirement,
-        inplace=inplace,
+        program, controller, max_new_tokens=max_new_tokens, trace=trace, measure_only=measure_only, inplace=inplace
     )

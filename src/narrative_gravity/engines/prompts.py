@@ -8,6 +8,7 @@ and where a generated row ends.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,8 +77,6 @@ NEXT_TURN = "\nUser:"
 
 def plain_frame(tokenizer: Any) -> Any:
     """A copy of ``tokenizer`` that writes chats in :data:`PLAIN_FRAME` (the caller's tokenizer is untouched)."""
-    import copy
-
     framed = copy.copy(tokenizer)
     framed.chat_template = PLAIN_FRAME
     return framed

@@ -9,13 +9,14 @@ from .lexicon import load_empath
 from .metrics import METRICS, Metric, MetricContext, Sample, compute_metrics, get_metric, register_metric
 from .prompts import EvalPrompt, load_prompts, load_topics, split_wordlist
 from .report import build_summary, export_markdown, write_reports
-from .runner import AUTO, CONTROL, EvalSettings, ResultStore, run_eval
+from .runner import AUTO, CONTROL, EvalModels, EvalSettings, ResultStore, run_eval
 from .stats import PairedComparison, bootstrap_ci, paired_bootstrap, summary_line
 
 __all__ = [
     "AUTO",
     "CONTROL",
     "METRICS",
+    "EvalModels",
     "EvalPrompt",
     "EvalSettings",
     "Metric",

@@ -11,12 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigurationError
-from .judge import DEFAULT_JUDGE
 from .report import comparison_table, write_reports
 from .runner import EvalSettings, run_eval
 from .store import RESULTS
 
-__all__ = ["DEFAULT_SAMPLES", "parse_seeds", "run_command"]
+__all__ = ["DEFAULT_SAMPLES", "parse_metrics", "parse_seeds", "report_command", "run_command"]
 
 DEFAULT_SAMPLES = 3
 
@@ -60,54 +59,28 @@ def parse_seeds(seeds: str | None, samples: int | None) -> tuple[int, ...]:
     return tuple(out)
 
 
-def run_command(
-    *,
-    prompts: str,
-    profiles: list[str],
-    out: Path,
-    samples: int | None = None,
-    seeds: str | None = None,
-    max_new_tokens: int = 60,
-    top_k: int = 10,
-    temperature: float = 1.0,
-    raw: bool | None = None,
-    batch_size: int = 8,
-    model: str | None = None,
-    judge: str = DEFAULT_JUDGE,
-    metrics: str | None = None,
-    limit_prompts: int | None = None,
-    auto_template: str | None = None,
-    resume: bool = False,
-    report_only: bool = False,
-    engine: str = "hf",
-    chat_frame: str | None = None,
-) -> dict[str, Any]:
-    """Run ``ngrav eval``; returns the summary."""
+def parse_metrics(metrics: str | None) -> tuple[str, ...] | None:
+    """Metric names from ``--metrics`` (comma-separated); ``None``: every metric.
 
+    >>> parse_metrics("distinct_2, judge_ppl,"), parse_metrics(None)
+    (('distinct_2', 'judge_ppl'), None)
+    """
+    return tuple(m.strip() for m in metrics.split(",") if m.strip()) if metrics else None
+
+
+def report_command(out: Path) -> dict[str, Any]:
+    """``ngrav eval --report-only``: rebuild the reports of the run in ``out``; returns the summary."""
+    if not (out / RESULTS).exists():
+        raise ConfigurationError(f"--report-only: {out / RESULTS} does not exist; run the eval first")
+    summary = write_reports(out)
+    _print(summary, out)
+    return summary
+
+
+def run_command(settings: EvalSettings, out: Path, *, resume: bool = False) -> dict[str, Any]:
+    """Run ``ngrav eval`` (``settings`` as the options gave them, see :func:`parse_seeds` and
+    :func:`parse_metrics`); returns the summary."""
     console = Console(stderr=True, soft_wrap=True)
-    if report_only:
-        if not (out / RESULTS).exists():
-            raise ConfigurationError(f"--report-only: {out / RESULTS} does not exist; run the eval first")
-        summary = write_reports(out)
-        _print(summary, out)
-        return summary
-    settings = EvalSettings(
-        prompts=prompts,
-        profiles=tuple(profiles),
-        seeds=parse_seeds(seeds, samples),
-        max_new_tokens=max_new_tokens,
-        top_k=top_k,
-        temperature=temperature,
-        raw=raw,
-        batch_size=batch_size,
-        model=model,
-        judge=judge,
-        metrics=tuple(m.strip() for m in metrics.split(",") if m.strip()) if metrics else None,
-        limit_prompts=limit_prompts,
-        auto_template=auto_template,
-        engine=engine,
-        chat_frame=chat_frame,
-    )
     t0 = time.perf_counter()
     try:
         summary = run_eval(settings, out, resume=resume, console=console)

@@ -35,7 +35,7 @@ from typing import Any
 from ..engines.options import GenerationOptions
 from ..errors import ConfigurationError
 from .metrics import get_metric
-from .runner import EvalSettings, run_eval
+from .runner import EvalModels, EvalSettings, run_eval
 from .stats import paired_bootstrap
 from .store import RESULTS, ResultStore
 
@@ -247,9 +247,8 @@ def evaluate_promotion(
             paths.append(str(path))
         settings = check.settings(paths, metrics)
         progress, report = console is not None, out is not None
-        run_eval(
-            settings, run_dir, model=model, tokenizer=tokenizer, progress=progress, write_report=report, console=console
-        )
+        models = EvalModels(model=model, tokenizer=tokenizer)
+        run_eval(settings, run_dir, models=models, progress=progress, write_report=report, console=console)
         result = Promotion(name, live, version, out=str(out) if out is not None else None)
         result.checks = _read_checks(run_dir, limits)
     finally:

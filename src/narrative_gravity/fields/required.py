@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from ..gravity.require import Requirement
 from ..text import has_unspaced_script
 from .lexical import _Tokenizer
 
-__all__ = ["build_requirement", "token_tables"]
+__all__ = ["RequirementOptions", "build_requirement", "token_tables"]
 
 _BREAK_CHARS = frozenset(".!?;:,\n")
 _SENTENCE_CHARS = frozenset(".!?\n")
@@ -79,24 +80,34 @@ def _token_tables(
     return glue, breaks, sentence, tuple(sorted(i for i in special if 0 <= i < vocab)), joins
 
 
+@dataclass(frozen=True)
+class RequirementOptions:
+    """How a requirement pulls and forces its words (a profile's ``require`` block, all but ``words``).
+
+    See :class:`~narrative_gravity.gravity.require.Requirement`, which checks them when it is built.
+    """
+
+    strength: float = 4.0
+    curve: float = 2.0
+    force: bool = True
+    slack: int = 6
+    window: int = 24
+    spread: bool = False
+
+
 def build_requirement(
     tokenizer: Any,
     words: Iterable[str],
+    options: RequirementOptions = RequirementOptions(),
     *,
     stops: Sequence[int] | None = None,
-    strength: float = 4.0,
-    curve: float = 2.0,
-    force: bool = True,
-    slack: int = 6,
-    window: int = 24,
-    spread: bool = False,
     max_pieces: int = 16,
 ) -> Requirement:
     """The :class:`~narrative_gravity.gravity.require.Requirement` of ``words`` for ``tokenizer``.
 
-    ``stops`` are the ids that end the text (default: the tokenizer's special tokens, end of sequence
-    among them); they are masked while a word is missing. The other arguments are the requirement's
-    (see :class:`~narrative_gravity.gravity.require.Requirement`).
+    ``options`` (:class:`RequirementOptions`): how the words are pulled and forced. ``stops`` are the ids that
+    end the text (default: the tokenizer's special tokens, end of sequence among them); they are masked while a
+    word is missing.
 
     Raises:
         FieldError: a word is blank, or no form of it can be written by this tokenizer in at most
@@ -137,10 +148,10 @@ def build_requirement(
         sentence=sentence,
         capital=capital,
         stops=tuple(special if stops is None else stops),
-        strength=float(strength),
-        curve=float(curve),
-        force=bool(force),
-        slack=int(slack),
-        window=int(window),
-        spread=bool(spread),
+        strength=float(options.strength),
+        curve=float(options.curve),
+        force=bool(options.force),
+        slack=int(options.slack),
+        window=int(options.window),
+        spread=bool(options.spread),
     )

@@ -14,11 +14,13 @@ Engines (``narrative_gravity.engines``) only translate their bookkeeping into ke
 
 from .controllers import (
     ConstantController,
+    DecayOptions,
     PhaseScheduleController,
     ScheduleController,
     StepContext,
     StrengthController,
     ThermostatController,
+    ThermostatOptions,
 )
 from .field import NarrativeField, WordReport
 from .kernel import GravityKernel, Program, StepResult
@@ -29,6 +31,7 @@ from .tilt import apply_gravity, prune_mask
 
 __all__ = [
     "ConstantController",
+    "DecayOptions",
     "GravityKernel",
     "Measurement",
     "NarrativeField",
@@ -40,6 +43,7 @@ __all__ = [
     "StepResult",
     "StrengthController",
     "ThermostatController",
+    "ThermostatOptions",
     "Trace",
     "WordReport",
     "apply_gravity",

@@ -43,11 +43,13 @@ from .thermo import probabilities
 
 __all__ = [
     "ConstantController",
+    "DecayOptions",
     "PhaseScheduleController",
     "ScheduleController",
     "StepContext",
     "StrengthController",
     "ThermostatController",
+    "ThermostatOptions",
 ]
 
 
@@ -94,13 +96,29 @@ def _check_phase_bounds(explore_until: float, strict_from: float) -> None:
         )
 
 
-def _check_decay(decay_after_steps: int | None, decay_half_life: float) -> None:
-    if decay_after_steps is not None and (
-        isinstance(decay_after_steps, bool) or not isinstance(decay_after_steps, int) or decay_after_steps < 0
-    ):
-        raise ConfigurationError(f"`decay_after_steps` has to be an integer >= 0 or None, but is {decay_after_steps!r}")
-    if not decay_half_life > 0:
-        raise ConfigurationError(f"`decay_half_life` has to be > 0 steps, but is {decay_half_life!r}")
+@dataclass(frozen=True)
+class DecayOptions:
+    """The classic fade (the profile's ``decay_after_steps`` and ``decay_half_life``): after ``after_steps``
+    generated tokens the pull (the thermostat: its target) halves every ``half_life`` steps. ``after_steps=None``:
+    no fade.
+
+    >>> DecayOptions(after_steps=50).row()
+    {'decay_after': 50, 'half_life': 25.0}
+    """
+
+    after_steps: int | None = None
+    half_life: float = 25.0
+
+    def __post_init__(self) -> None:
+        n = self.after_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigurationError(f"`decay_after_steps` has to be an integer >= 0 or None, but is {n!r}")
+        if not self.half_life > 0:
+            raise ConfigurationError(f"`decay_half_life` has to be > 0 steps, but is {self.half_life!r}")
+
+    def row(self) -> dict[str, float]:
+        """The decay's columns of a schedule row."""
+        return {"decay_after": -1.0 if self.after_steps is None else self.after_steps, "half_life": self.half_life}
 
 
 class ScheduleController:
@@ -190,8 +208,8 @@ class PhaseScheduleController(ScheduleController):
     from ``strict_from`` on use ``strict`` × λ, and the steps between use ``converge`` × λ. Without a
     budget the strict phase never starts and the explore phase lasts ``explore_steps``.
 
-    ``decay_after_steps`` (the classic profile key): after that many generated tokens the pull fades
-    with a half-life of ``decay_half_life`` steps, so long answers can close naturally.
+    ``decay`` (:class:`DecayOptions`, the classic profile keys): after ``decay.after_steps`` generated tokens
+    the pull fades with a half-life of ``decay.half_life`` steps, so long answers can close naturally.
     """
 
     def __init__(
@@ -204,18 +222,18 @@ class PhaseScheduleController(ScheduleController):
         converge: float = 1.0,
         strict: float = 1.5,
         explore_steps: int = 8,
-        decay_after_steps: int | None = None,
-        decay_half_life: float = 25.0,
+        decay: DecayOptions = DecayOptions(),
     ) -> None:
         super().__init__(strength)
         _check_phase_bounds(explore_until, strict_from)
         for name, v in (("explore", explore), ("converge", converge), ("strict", strict)):
             _check_strength(v, name)
-        _check_decay(decay_after_steps, decay_half_life)
+        if not isinstance(decay, DecayOptions):
+            raise ConfigurationError(f"`decay` has to be a DecayOptions, but is {type(decay).__name__}")
         self.explore_until, self.strict_from = explore_until, strict_from
         self.explore, self.converge, self.strict = explore, converge, strict
         self.explore_steps = explore_steps
-        self.decay_after_steps, self.decay_half_life = decay_after_steps, decay_half_life
+        self.decay = decay
 
     def row(self) -> dict[str, float]:
         return {
@@ -225,8 +243,7 @@ class PhaseScheduleController(ScheduleController):
             "converge": self.converge,
             "strict": self.strict,
             "explore_steps": self.explore_steps,
-            "decay_after": -1.0 if self.decay_after_steps is None else self.decay_after_steps,
-            "half_life": self.decay_half_life,
+            **self.decay.row(),
         }
 
     def scale(self, step: int, max_new_tokens: int | None) -> float:
@@ -235,10 +252,103 @@ class PhaseScheduleController(ScheduleController):
         return float(scheduled_strength(torch.tensor([step]), rs)[0])
 
 
+@dataclass(frozen=True)
+class ThermostatOptions:
+    """The thermostat's rule, as the profile's ``thermostat`` block names it (all but ``max_strength``).
+
+    See :class:`ThermostatController` for what each part does. Validated here, once.
+
+    >>> ThermostatOptions(drift_gain=0.0).converge_target
+    0.25
+    """
+
+    explore_until: float = 0.2
+    strict_from: float = 0.8
+    explore_target: float = 0.08
+    converge_target: float = 0.25
+    strict_target: float = 0.4
+    explore_steps: int = 8
+    drift_window: int = 8
+    drift_gain: float = 0.15
+    drift_share: float = 0.125
+    drift_scope: str = "generated"
+    max_target: float = 0.95
+    entropy_low: float = 0.05
+    entropy_high: float = 0.25
+    iterations: int = 14
+    candidates: int = 1024
+    kl_budget: float | None = None
+    kl_budget_steps: int | None = None
+    late_kl_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_phase_bounds(self.explore_until, self.strict_from)
+        for name in ("explore_target", "converge_target", "strict_target", "drift_gain", "drift_share", "max_target"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+                raise ConfigurationError(f"`{name}` has to be a number in [0, 1], but is {v!r}")
+        if not self.max_target < 1.0:
+            raise ConfigurationError(
+                f"`max_target` has to be below 1 (a mass of 1 needs an infinite pull), but is {self.max_target!r}"
+            )
+        if not 0.0 <= self.entropy_low < self.entropy_high <= 1.0:
+            raise ConfigurationError(
+                f"the entropy gate needs 0 <= entropy_low < entropy_high <= 1 (normalized entropy H/log V), but "
+                f"entropy_low={self.entropy_low!r}, entropy_high={self.entropy_high!r}"
+            )
+        for name, n in (("drift_window", self.drift_window), ("explore_steps", self.explore_steps)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < (1 if name == "drift_window" else 0):
+                raise ConfigurationError(f"`{name}` has to be a whole number >= 1, but is {n!r}")
+        if self.drift_scope not in DRIFT_SCOPES:
+            raise ConfigurationError(
+                f"`drift_scope` has to be one of {', '.join(map(repr, DRIFT_SCOPES))}, but is {self.drift_scope!r}"
+            )
+        _check_iterations(self.iterations)
+        _check_candidates(self.candidates)
+        if not self.drift_share > 0:
+            raise ConfigurationError(f"`drift_share` has to be in (0, 1], but is {self.drift_share!r}")
+        for name in ("kl_budget", "late_kl_budget"):
+            v = getattr(self, name)
+            if not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 10)):
+                raise ConfigurationError(
+                    f"`{name}` has to be None (no limit) or a number in (0, 10] (nats per step), but is {v!r}"
+                )
+        n = self.kl_budget_steps
+        if not (n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
+            raise ConfigurationError(
+                f"`kl_budget_steps` has to be None (the budget holds throughout) or a whole number >= 1, but is {n!r}"
+            )
+
+    def row(self) -> dict[str, float]:
+        """The thermostat's columns of a schedule row (the decay's come from :class:`DecayOptions`)."""
+        return {
+            "thermostat": 1.0,
+            "explore_until": self.explore_until,
+            "strict_from": self.strict_from,
+            "explore": self.explore_target,
+            "converge": self.converge_target,
+            "strict": self.strict_target,
+            "explore_steps": self.explore_steps,
+            "drift_window": self.drift_window,
+            "drift_gain": self.drift_gain,
+            "drift_share": self.drift_share,
+            "drift_text": 1.0 if self.drift_scope == "text" else 0.0,
+            "max_target": self.max_target,
+            "entropy_low": self.entropy_low,
+            "entropy_high": self.entropy_high,
+            "iterations": self.iterations,
+            "candidates": self.candidates,
+            "kl_budget": 0.0 if self.kl_budget is None else self.kl_budget,
+            "kl_budget_steps": 0.0 if self.kl_budget_steps is None else self.kl_budget_steps,
+            "late_kl_budget": 0.0 if self.late_kl_budget is None else self.late_kl_budget,
+        }
+
+
 class ThermostatController(ScheduleController):
     """Per row and step, the smallest λ ∈ [0, λ_max] that brings the narrative mass up to a target m*.
 
-    The target (all parts per row, all tensor work, no host synchronisation; :func:`thermostat_target`):
+    The target (all parts per row, all tensor work, no host synchronisation; :func:`thermostat_target`), each
+    part set in ``options`` (:class:`ThermostatOptions`):
 
     1. **Phase**: ``explore_target`` before ``explore_until`` × budget, ``strict_target`` from
        ``strict_from`` × budget on, ``converge_target`` in between (without a budget: explore for
@@ -250,15 +360,16 @@ class ThermostatController(ScheduleController):
        field). With ``drift_scope="generated"`` the window holds generated tokens only; with
        ``drift_scope="text"`` it reaches back into the prompt (positions before the text count as off), so
        a prompt that ends off the narrative is pulled until the text reaches it.
-    3. **Decay** (``decay_after_steps``, the classic key): after that many steps the target halves every
-       ``decay_half_life`` steps.
+    3. **Decay** (``decay``, a :class:`DecayOptions`): after ``decay.after_steps`` steps the target halves every
+       ``decay.half_life`` steps.
     4. **Entropy gate**: the target is multiplied by ``clip((H/log V − entropy_low) / (entropy_high −
        entropy_low), 0, 1)``: a confident step is left alone, a disordered one gets the full target.
     5. The target is clipped to ``[0, max_target]``.
 
-    Then :meth:`MassProblem.solve` finds λ. A row that already has the mass gets λ = 0.
+    Then :meth:`MassProblem.solve` finds λ (``iterations``, ``candidates``; at most ``kl_budget`` nats a step, and
+    ``late_kl_budget`` after ``kl_budget_steps``). A row that already has the mass gets λ = 0.
 
-    ``strength`` is λ_max, one float or one per prompt (beams repeat rows, as for the other controllers).
+    ``max_strength`` is λ_max, one float or one per prompt (beams repeat rows, as for the other controllers).
     Called on its own it needs ``logits`` and ``field`` in the :class:`StepContext`.
 
     >>> import torch
@@ -278,119 +389,31 @@ class ThermostatController(ScheduleController):
     def __init__(
         self,
         max_strength: float | Sequence[float] = 6.0,
+        options: ThermostatOptions = ThermostatOptions(),
         *,
-        explore_until: float = 0.2,
-        strict_from: float = 0.8,
-        explore_target: float = 0.08,
-        converge_target: float = 0.25,
-        strict_target: float = 0.4,
-        explore_steps: int = 8,
-        drift_window: int = 8,
-        drift_gain: float = 0.15,
-        drift_share: float = 0.125,
-        drift_scope: str = "generated",
-        max_target: float = 0.95,
-        entropy_low: float = 0.05,
-        entropy_high: float = 0.25,
-        decay_after_steps: int | None = None,
-        decay_half_life: float = 25.0,
-        iterations: int = 14,
-        candidates: int = 1024,
-        kl_budget: float | None = None,
-        kl_budget_steps: int | None = None,
-        late_kl_budget: float | None = None,
+        decay: DecayOptions = DecayOptions(),
         drift_values: torch.Tensor | None = None,
     ) -> None:
         super().__init__(max_strength)
         for row in self._rows:
             _check_max_strength(row)
-        _check_phase_bounds(explore_until, strict_from)
-        for name, v in (
-            ("explore_target", explore_target),
-            ("converge_target", converge_target),
-            ("strict_target", strict_target),
-            ("drift_gain", drift_gain),
-            ("drift_share", drift_share),
-            ("max_target", max_target),
-        ):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
-                raise ConfigurationError(f"`{name}` has to be a number in [0, 1], but is {v!r}")
-        if not max_target < 1.0:
+        if not isinstance(options, ThermostatOptions):
             raise ConfigurationError(
-                f"`max_target` has to be below 1 (a mass of 1 needs an infinite pull), but is {max_target!r}"
+                f"`options` has to be a ThermostatOptions, but is {type(options).__name__}; "
+                "build one with ThermostatOptions(explore_target=..., ...)"
             )
-        if not 0.0 <= entropy_low < entropy_high <= 1.0:
-            raise ConfigurationError(
-                f"the entropy gate needs 0 <= entropy_low < entropy_high <= 1 (normalized entropy H/log V), but "
-                f"entropy_low={entropy_low!r}, entropy_high={entropy_high!r}"
-            )
-        for name, n in (("drift_window", drift_window), ("explore_steps", explore_steps)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < (1 if name == "drift_window" else 0):
-                raise ConfigurationError(f"`{name}` has to be a whole number >= 1, but is {n!r}")
-        _check_decay(decay_after_steps, decay_half_life)
-        if drift_scope not in DRIFT_SCOPES:
-            raise ConfigurationError(
-                f"`drift_scope` has to be one of {', '.join(map(repr, DRIFT_SCOPES))}, but is {drift_scope!r}"
-            )
-        self.drift_scope = drift_scope
+        if not isinstance(decay, DecayOptions):
+            raise ConfigurationError(f"`decay` has to be a DecayOptions, but is {type(decay).__name__}")
         if drift_values is not None and (not isinstance(drift_values, torch.Tensor) or drift_values.dim() != 1):
             raise ConfigurationError("`drift_values` has to be a 1-D tensor over the vocabulary (a field's `values`)")
-        self.explore_until, self.strict_from = explore_until, strict_from
-        self.explore_target, self.converge_target, self.strict_target = explore_target, converge_target, strict_target
-        self.explore_steps = explore_steps
-        self.drift_window, self.drift_gain, self.max_target = drift_window, drift_gain, max_target
-        self.entropy_low, self.entropy_high = entropy_low, entropy_high
-        self.decay_after_steps, self.decay_half_life = decay_after_steps, decay_half_life
-        self.iterations = _check_iterations(iterations)
-        self.candidates = _check_candidates(candidates)
-        if not drift_share > 0:
-            raise ConfigurationError(f"`drift_share` has to be in (0, 1], but is {drift_share!r}")
-        self.drift_share = drift_share
-        self.drift_values = drift_values
-        for name, v in (("kl_budget", kl_budget), ("late_kl_budget", late_kl_budget)):
-            ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 10)
-            if not ok:
-                raise ConfigurationError(
-                    f"`{name}` has to be None (no limit) or a number in (0, 10] (nats per step), but is {v!r}"
-                )
-        ok = kl_budget_steps is None or (
-            isinstance(kl_budget_steps, int) and not isinstance(kl_budget_steps, bool) and kl_budget_steps >= 1
-        )
-        if not ok:
-            raise ConfigurationError(
-                f"`kl_budget_steps` has to be None (the budget holds throughout) or a whole number >= 1, but is "
-                f"{kl_budget_steps!r}"
-            )
-        self.kl_budget, self.kl_budget_steps, self.late_kl_budget = kl_budget, kl_budget_steps, late_kl_budget
+        self.options, self.decay, self.drift_values = options, decay, drift_values
 
     def __repr__(self) -> str:
         rows = self._rows[0] if len(self._rows) == 1 else list(self._rows)
         return f"{type(self).__name__}(max_strength={rows})"
 
     def row(self) -> dict[str, float]:
-        return {
-            "thermostat": 1.0,
-            "explore_until": self.explore_until,
-            "strict_from": self.strict_from,
-            "explore": self.explore_target,
-            "converge": self.converge_target,
-            "strict": self.strict_target,
-            "explore_steps": self.explore_steps,
-            "decay_after": -1.0 if self.decay_after_steps is None else self.decay_after_steps,
-            "half_life": self.decay_half_life,
-            "drift_window": self.drift_window,
-            "drift_gain": self.drift_gain,
-            "drift_share": self.drift_share,
-            "drift_text": 1.0 if self.drift_scope == "text" else 0.0,
-            "max_target": self.max_target,
-            "entropy_low": self.entropy_low,
-            "entropy_high": self.entropy_high,
-            "iterations": self.iterations,
-            "candidates": self.candidates,
-            "kl_budget": 0.0 if self.kl_budget is None else self.kl_budget,
-            "kl_budget_steps": 0.0 if self.kl_budget_steps is None else self.kl_budget_steps,
-            "late_kl_budget": 0.0 if self.late_kl_budget is None else self.late_kl_budget,
-        }
+        return {**self.options.row(), **self.decay.row()}
 
     def phase_target(self, step: int, max_new_tokens: int | None) -> float:
         """The phase part of the target at ``step`` (:func:`phase_value` of the targets)."""
@@ -405,7 +428,7 @@ class ThermostatController(ScheduleController):
         b = ctx.batch_size
         if ctx.input_ids is None:
             return torch.zeros(b, device=ctx.device)
-        recent = last_tokens(ctx.input_ids.long(), self.drift_window)
+        recent = last_tokens(ctx.input_ids.long(), self.options.drift_window)
         if self.drift_values is not None:
             on_src = (self.drift_values > 0).to(recent.device)
         elif ctx.field is not None:
@@ -422,7 +445,7 @@ class ThermostatController(ScheduleController):
     def drift(self, ctx: StepContext) -> torch.Tensor:
         """Per row, how far the recent tokens are from the narrative: ``clip(1 − s / drift_share, 0, 1)``."""
         on_share = 1.0 - self.off_topic_share(ctx)
-        return (1.0 - on_share / self.drift_share).clamp(0.0, 1.0)
+        return (1.0 - on_share / self.options.drift_share).clamp(0.0, 1.0)
 
     def _problem(self, ctx: StepContext) -> MassProblem:
         if ctx.logits is None or ctx.field is None:
@@ -431,7 +454,7 @@ class ThermostatController(ScheduleController):
                 "NarrativeGravityLogitsProcessor (which passes them), or pass them yourself"
             )
         p, entropy = probabilities(ctx.logits)
-        return MassProblem(p, entropy, ctx.field, True, self.candidates)
+        return MassProblem(p, entropy, ctx.field, True, self.options.candidates)
 
     def _target(self, ctx: StepContext, prob: MassProblem, rows: tuple[RowSchedule, torch.Tensor]) -> torch.Tensor:
         rs, step = rows
@@ -450,4 +473,4 @@ class ThermostatController(ScheduleController):
         budget = kl_budget_at(rows[1], rows[0])
         if budget is not None:
             budget = budget.to(lam_max.device)
-        return prob.solve(target, lam_max, self.iterations, kl_budget=budget)
+        return prob.solve(target, lam_max, self.options.iterations, kl_budget=budget)

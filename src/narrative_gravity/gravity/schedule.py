@@ -236,8 +236,9 @@ def kl_budget_at(step: torch.Tensor, rs: RowSchedule) -> torch.Tensor | None:
     """Each row's KL budget (nats) at ``step`` (``[R]``, ``inf`` for no limit): ``kl_budget`` for the first
     ``kl_budget_steps`` generated tokens, ``late_kl_budget`` after them; ``None`` where no row has a budget.
 
-    >>> from narrative_gravity.gravity.controllers import ThermostatController
-    >>> rs = RowSchedule(ThermostatController(4.0, kl_budget=0.05, kl_budget_steps=64).schedule(1), np.array([256]))
+    >>> from narrative_gravity.gravity.controllers import ThermostatController, ThermostatOptions
+    >>> budget = ThermostatOptions(kl_budget=0.05, kl_budget_steps=64)
+    >>> rs = RowSchedule(ThermostatController(4.0, budget).schedule(1), np.array([256]))
     >>> [kl_budget_at(torch.tensor([s]), rs).item() for s in (0, 63, 64)]  # then no limit
     [0.05000000074505806, 0.05000000074505806, inf]
     """

@@ -31,6 +31,7 @@ from ..fields import NarrativeField
 from ..fields.lexical import weighted_lexical_field
 from ..gravity.controllers import ConstantController
 from ..gravity.field import merge_fields
+from ..gravity.kernel import Program
 from ..profiles.build import controller_from_profile, field_from_profile
 from ..text import STOPWORDS, content_words, word_set
 
@@ -209,10 +210,9 @@ class Conversation:
         ids = torch.tensor([self._prompt_ids(user_text)], dtype=torch.long)
         processor = (
             NarrativeGravityLogitsProcessor(
-                field,
+                Program(field, prune_threshold=getattr(self.profile, "prune_threshold", None)),
                 self._controller(),
                 max_new_tokens=self.options.max_new_tokens,
-                prune_threshold=getattr(self.profile, "prune_threshold", None),
             )
             if field is not None
             else None

@@ -33,7 +33,8 @@ from ..engines.prompts import encode_prompts, eos_token_ids
 from ..errors import ConfigurationError
 from ..fields import NarrativeField, build_semantic_field
 from ..fields.semantic import SemanticSettings
-from ..gravity.controllers import ConstantController, StrengthController, ThermostatController
+from ..gravity.controllers import ConstantController, StrengthController, ThermostatController, ThermostatOptions
+from ..gravity.kernel import Program
 from ..profiles.build import Stage, parse_stages, stage_plan
 from ..profiles.schema import TOPIC_DEFAULTS, FieldOptions, Profile
 from ..text import content_words
@@ -65,13 +66,14 @@ def staged_processor(
     base: NarrativeField | None = None,
     base_weight: float = 1.0,
     cover_fraction: float = 0.5,
+    repeat_weight: float = 1.0,
     **kwargs: Any,
 ) -> NarrativeGravityLogitsProcessor:
     """A :class:`~narrative_gravity.engines.hf.NarrativeGravityLogitsProcessor` that follows ``stages``
-    (:func:`~narrative_gravity.profiles.build.stage_plan`); ``kwargs`` go to the processor (``controller``,
-    ``strength``, ``max_new_tokens``, ``trace``, ``repeat_weight``)."""
+    (:func:`~narrative_gravity.profiles.build.stage_plan`), each written narrative token keeping ``repeat_weight``
+    of its pull; ``kwargs`` go to the processor (``controller``, ``strength``, ``max_new_tokens``, ``trace``)."""
     plan = stage_plan(tokenizer, stages, base=base, base_weight=base_weight, cover_fraction=cover_fraction)
-    return NarrativeGravityLogitsProcessor(stages=plan, **kwargs)
+    return NarrativeGravityLogitsProcessor(Program(stages=plan, repeat_weight=repeat_weight), **kwargs)
 
 
 def _whole(name: str, value: Any) -> None:
@@ -125,9 +127,10 @@ class PlanSettings:
             return self.controller
         if self.schedule == "thermostat":
             knobs = dict(TOPIC_DEFAULTS["thermostat"])
+            lam_max = knobs.pop("max_strength")
             if self.strength is not None:
-                knobs["max_strength"] = float(self.strength)
-            return ThermostatController(**knobs)
+                lam_max = float(self.strength)
+            return ThermostatController(lam_max, ThermostatOptions(**knobs))
         return ConstantController(3.0 if self.strength is None else float(self.strength))
 
 

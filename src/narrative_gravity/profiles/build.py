@@ -31,9 +31,16 @@ from ..errors import ConfigurationError
 from ..fields import NarrativeField, combine_fields
 from ..fields.lexical import build_lexical_field, reach, surface_forms, weighted_lexical_field
 from ..fields.neighbours import neighbour_words
-from ..fields.required import build_requirement
+from ..fields.required import RequirementOptions, build_requirement
 from ..fields.semantic import SemanticSettings, build_semantic_field
-from ..gravity.controllers import ConstantController, PhaseScheduleController, ScheduleController, ThermostatController
+from ..gravity.controllers import (
+    ConstantController,
+    DecayOptions,
+    PhaseScheduleController,
+    ScheduleController,
+    ThermostatController,
+    ThermostatOptions,
+)
 from ..gravity.field import merge_fields
 from ..gravity.kernel import Program
 from ..gravity.require import Requirement
@@ -46,6 +53,7 @@ __all__ = [
     "Stage",
     "build_stage_fields",
     "controller_from_profile",
+    "decay_options",
     "field_from_profile",
     "parse_stages",
     "phase_args",
@@ -180,16 +188,7 @@ def requirement_from_profile(profile: Profile, tokenizer: Any) -> Requirement | 
         _REQUIRE_CACHE.move_to_end(key)
         return hit[1]
     opts = profile.require
-    built = build_requirement(
-        tokenizer,
-        opts.words,
-        strength=opts.strength,
-        curve=opts.curve,
-        force=opts.force,
-        slack=opts.slack,
-        window=opts.window,
-        spread=opts.spread,
-    )
+    built = build_requirement(tokenizer, opts.words, RequirementOptions(**opts.model_dump(exclude={"words"})))
     _REQUIRE_CACHE[key] = (tokenizer, built)
     while len(_REQUIRE_CACHE) > FIELD_CACHE_SIZE:
         _REQUIRE_CACHE.popitem(last=False)
@@ -202,12 +201,15 @@ def controller_from_profile(profile: Profile) -> ScheduleController:
     In the kernel the thermostat reads drift through the base values of each row's field (its current stage's,
     with ``stages``)."""
     if profile.schedule == "thermostat":
-        args = thermostat_args(profile)
-        return ThermostatController(**args)
+        return ThermostatController(**thermostat_args(profile))
     if profile.schedule == "constant" and profile.decay_after_steps is None:
         return ConstantController(profile.gravity_strength)
-    args = phase_args(profile)
-    return PhaseScheduleController(profile.gravity_strength, **args)
+    return PhaseScheduleController(profile.gravity_strength, **phase_args(profile))
+
+
+def decay_options(profile: Profile) -> DecayOptions:
+    """The profile's fade (``decay_after_steps``, ``decay_half_life``)."""
+    return DecayOptions(after_steps=profile.decay_after_steps, half_life=profile.decay_half_life)
 
 
 def phase_args(profile: Profile) -> dict[str, Any]:
@@ -215,11 +217,13 @@ def phase_args(profile: Profile) -> dict[str, Any]:
     (``constant``: one flat phase, for a pull that decays)."""
     flat = {"explore": 1.0, "converge": 1.0, "strict": 1.0}
     phases = flat if profile.schedule == "constant" else profile.phases.model_dump()
-    return {**phases, "decay_after_steps": profile.decay_after_steps, "decay_half_life": profile.decay_half_life}
+    return {**phases, "decay": decay_options(profile)}
 
 
 def thermostat_args(profile: Profile) -> dict[str, Any]:
-    """The keyword arguments of :class:`~narrative_gravity.gravity.controllers.ThermostatController` for a profile.
+    """The arguments of :class:`~narrative_gravity.gravity.controllers.ThermostatController` for a profile:
+    ``max_strength``, ``options`` (a :class:`~narrative_gravity.gravity.controllers.ThermostatOptions` of the
+    ``thermostat`` block) and ``decay``.
 
     ``max_strength`` defaults to ``gravity_strength × 4.25 / 1.5`` (capped at 50): the topic default's λ_max 4.25
     at the default strength 1.5, and proportional to the strength a user asks for.
@@ -231,8 +235,7 @@ def thermostat_args(profile: Profile) -> dict[str, Any]:
     lam_max = opts.pop("max_strength")
     if lam_max is None:
         lam_max = min(profile.gravity_strength * THERMOSTAT_MAX_PER_STRENGTH, 50.0)
-    return {"max_strength": lam_max, **opts, "decay_after_steps": profile.decay_after_steps,
-            "decay_half_life": profile.decay_half_life}  # fmt: skip
+    return {"max_strength": lam_max, "options": ThermostatOptions(**opts), "decay": decay_options(profile)}
 
 
 # --------------------------------------------------------------------------------------------------

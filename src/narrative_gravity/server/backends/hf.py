@@ -45,6 +45,7 @@ from ...engines.options import GenerationOptions
 from ...engines.prompts import eos_token_ids, left_pad
 from ...errors import ConfigurationError
 from ...gravity.thermo import METRICS, Measurement, Trace
+from ...models import DEFAULT_MODEL, load_model
 from ...profiles.build import field_from_profile
 from ...profiles.schema import Profile
 from ..grammar import GrammarLogitsProcessor, GuidanceGrammars
@@ -227,8 +228,6 @@ class HFBackend(TokenizerText):
     @classmethod
     def load(cls, name: str | os.PathLike[str] | None = None, *, device: str = "cpu") -> HFBackend:
         """Load a model the way the other commands do (``--model``: a name, a HF folder or a ``.gguf`` file)."""
-        from ...models import DEFAULT_MODEL, load_model
-
         model, tokenizer = load_model(name, device=device)
         return cls(model, tokenizer, model_id=str(name) if name is not None else DEFAULT_MODEL)
 
