@@ -21,8 +21,8 @@ app.add_typer(shortlist_app, name="shortlist")
 def build(
     out: Annotated[Path, typer.Option("--out", help="where to write the list (.json or .json.gz)")],
     model: ModelOpt = None,
-    prompts: Annotated[int, typer.Option("--prompts", min=1, max=1600, help="prompts to continue")] = 320,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="tokens sampled after each")] = 48,
+    prompts: Annotated[int, typer.Option("--prompts", min=1, max=1600, help="prompts to continue")] = 256,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="tokens sampled after each")] = 40,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="prompts per generate call")] = 16,
     keep: Annotated[int, typer.Option("--keep", min=256, help="how many ranked tokens to keep")] = 65536,
     seed: Annotated[int, typer.Option("--seed", help="random seed")] = 0,
