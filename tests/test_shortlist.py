@@ -228,3 +228,29 @@ def test_no_packaged_list_for_an_unknown_vocabulary(tiny_model: tuple[Any, Any])
     model, tokenizer = tiny_model
     with pytest.raises(ConfigurationError, match="no packaged frequency list fits"):
         head_plan(model, tokenizer, shortlist=256)
+
+
+def test_the_server_backend_reports_the_shortlist(tiny_backend: Any, list_file: str) -> None:
+    """A batch whose rows all ask for prune.head runs the shortlist; its stats carry the size and the audit."""
+    from narrative_gravity.server.backends.base import ResolvedGravity
+    from narrative_gravity.server.responses import cut_summary
+    from narrative_gravity.server.scheduler import Job
+
+    profile = _profile(list_file, 256, audit=1.0)
+    tiny_backend.prepare(profile)
+    gravity = ResolvedGravity(profile, "inline", "short")
+    job = Job()
+    for seed in (0, 1):
+        job.add(
+            prompt_ids=tiny_backend.encode_text("The planet"),
+            options=GenerationOptions(max_new_tokens=8, top_k=0, seed=seed),
+            gravity=gravity,
+        )
+    steps: list[list[int]] = []
+    stats = tiny_backend.generate(job.rows, lambda tokens, *_: steps.append(list(tokens)))
+    plan = profile_head_plan(tiny_backend.model, tiny_backend.tokenizer, profile)
+    inside = set(plan.ids().tolist())
+    assert all(t in inside for s in steps for t in s)
+    assert all(s.shortlist["size"] == plan.size and s.shortlist["audited_steps"] == s.new_tokens for s in stats)
+    assert cut_summary(stats[0].shortlist["cut_masses"])["audited_steps"] == stats[0].new_tokens
+    assert tiny_backend.model.get_output_embeddings().__class__ is torch.nn.Linear
