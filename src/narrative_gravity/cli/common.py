@@ -207,6 +207,16 @@ def read_profile(path: Path) -> Profile:
     bad = unencodable(prof.model_dump(mode="python"))
     if bad is not None:
         fail(f"--profile {str(path)!r}: `{bad}` holds text that cannot be encoded as UTF-8 (a lone surrogate?)")
+    head = prof.prune.head if prof.prune is not None else None
+    if head is not None and head.file is not None:  # a damaged or foreign list fails before the model loads
+        from ..engines.shortlist import load_frequency_list  # torch: not for --help
+
+        freq = guarded(lambda: load_frequency_list(head.file))
+        if head.shortlist > freq.ids.size:
+            fail(
+                f"--profile {str(path)!r}: prune.head.shortlist is {head.shortlist}, but {head.file} ranks only "
+                f"{freq.ids.size} tokens; lower it, or build a longer list with `ngrav shortlist build --keep N`"
+            )
     return prof
 
 
@@ -240,6 +250,8 @@ def load_vllm(model: str | None, texts: list[str], options: Any, profile: Profil
     """A :class:`~narrative_gravity.engines.vllm_generate.VLLMGenerator` for ``options.batch_size`` requests at
     once, sized for the longest of ``texts`` (after ``profile``'s topic sentence) plus its budget; or one error
     line."""
+    if profile is not None and profile.prune is not None and profile.prune.head is not None:
+        fail("prune.head (the shortlist head) runs on the transformers engine only; use --engine hf")
     engine = vllm_engine()
     check_model(model)
     tok = tokenizer(model)

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from . import compare, generate, inspect, levels, rollout, serve
+from . import compare, generate, inspect, levels, rollout, serve, shortlist
 from . import eval as evaluate
 from .common import set_debug
 from .profile import profile_app
@@ -33,7 +33,7 @@ app = typer.Typer(
     help="Keep LLM generation on its narrative while it decodes.",
     rich_markup_mode="rich",
 )
-for group in (generate, compare, inspect, evaluate, serve, levels):
+for group in (generate, compare, inspect, evaluate, serve, levels, shortlist):
     app.add_typer(group.app)
 profile_app.add_typer(rollout.app)  # promote, rollout and report join the store's commands
 app.add_typer(profile_app, name="profile")

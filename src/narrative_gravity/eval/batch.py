@@ -14,9 +14,10 @@ from transformers.generation.logits_process import UnbatchedClassifierFreeGuidan
 
 from ..engines.baselines import ArticleGravityLogitsProcessor, WeightedDecodingLogitsProcessor
 from ..engines.hf import NarrativeGravityLogitsProcessor, processor_from_profile
-from ..engines.hf_generate import sample_ids
+from ..engines.hf_generate import profile_head_plan, sample_ids, shortlist_json
 from ..engines.options import GenerationOptions
 from ..engines.prompts import encode_prompts, left_pad, plain_frame, until_next_turn
+from ..engines.shortlist import shortlist_head
 from ..errors import ConfigurationError, NarrativeGravityError
 from ..fields import NarrativeField
 from ..gravity.thermo import Trace
@@ -73,6 +74,7 @@ class _Generated:
     latency: float
     ttft: float
     batch_size: int
+    shortlist: dict[str, Any] | None = None
 
 
 class _Runner:
@@ -120,10 +122,13 @@ class _Runner:
             processor = processor.build(self.model, self.tok, encode_prompts(self.tok, prompts, raw=self.s.raw_mode))
         clock = _FirstStepClock()
         trace = getattr(processor, "trace", None)  # the reference baselines keep none
+        head = getattr(processor, "head_plan", None)  # a profile arm with prune.head
         procs = [clock] if processor is None else [clock, processor]
         t0 = time.perf_counter()
-        rows = [self.answer(r) for r in sample_ids(self.model, self.tok, encoded, options, procs)]
+        with shortlist_head(self.model, head) as short:
+            rows = [self.answer(r) for r in sample_ids(self.model, self.tok, encoded, options, procs)]
         elapsed = time.perf_counter() - t0
+        cuts = short.cut_masses([len(r) for r in rows]) if short is not None else None
         ttft = (clock.t - t0) if clock.t is not None else float("nan")
         lengths = [len(row) for row in rows]
         traces = trace.to_numpy() if isinstance(trace, Trace) and len(trace) else None
@@ -141,6 +146,7 @@ class _Runner:
                     latency=elapsed,
                     ttft=ttft,
                     batch_size=len(prompts),
+                    shortlist=None if head is None else shortlist_json(head, cuts[i]),
                 )
             )
         return results
@@ -174,14 +180,12 @@ class _Runner:
                 return ArticleGravityLogitsProcessor(self.tok, prompt.topic_words, gravity_strength=lam)
             return WeightedDecodingLogitsProcessor(self.tok, prompt.topic_words, lam)
         if arm != CONTROL:
-            return processor_from_profile(
-                self.pull_profile(arm, prompt),
-                self.tok,
-                max_new_tokens=self.s.max_new_tokens,
-                trace=Trace(),
-                model=self.model,
-                inplace=True,
+            pull = self.pull_profile(arm, prompt)
+            proc = processor_from_profile(
+                pull, self.tok, max_new_tokens=self.s.max_new_tokens, trace=Trace(), model=self.model, inplace=True
             )
+            proc.head_plan = profile_head_plan(self.model, self.tok, pull)  # the shortlist head (prune.head)
+            return proc
         # Control measures with the field of the chunk's first profile that builds (narrative mass in the
         # trace); with none, a zero field still records entropy.
 
@@ -288,6 +292,8 @@ class _Runner:
                 if lead is not None:
                     row["lead"] = lead  # what the model read before the prompt (the judge never sees it)
                 row["metrics"] = per_arm[arm][j]
+            if g.shortlist is not None:
+                row["shortlist"] = g.shortlist
             row["trace"] = g.trace
             rows.append(row)
         return rows

@@ -102,6 +102,7 @@ def build_summary(
             "failures": list(open_failures.values()),
             "examples": run.examples(),
             "n_traces": {a: len(t) for a, t in traces.items()},
+            "shortlist": {a: run.shortlist(a) for a in arms if run.shortlist(a)},
         }
     ), traces
 
@@ -181,6 +182,20 @@ class _Rows:
             "tokens_per_s": toks / gen_s if gen_s > 0 else float("nan"),
             "scoring_s": sum(_val(r.get("metric_s")) for r in rs),
         }
+
+    def shortlist(self, arm: str) -> dict[str, Any]:
+        """An arm's shortlist head (``prune.head``): its largest size and, where audited, the mean and the 99th
+        percentile of the probability mass outside it over every audited step; ``{}`` for an arm without one."""
+        heads = [r["shortlist"] for r in self.by_arm.get(arm, {}).values() if r.get("shortlist")]
+        if not heads:
+            return {}
+        out: dict[str, Any] = {"size": max(h["size"] for h in heads)}
+        cuts = [c for h in heads for c in h.get("cut_masses", ())]
+        if cuts:
+            out.update(
+                cut_mass_mean=float(np.mean(cuts)), cut_mass_p99=float(np.percentile(cuts, 99)), audited_steps=len(cuts)
+            )
+        return out
 
     def examples(self) -> list[dict[str, Any]]:
         control = self.control
@@ -315,6 +330,23 @@ def render_markdown(summary: dict[str, Any], images: dict[str, str], *, title: s
             ],
         )
     )
+    if s.get("shortlist"):
+        out += ["", "## Shortlist head (prune.head)", ""]
+        out.append(
+            _md_table(
+                ["arm", "shortlist size", "mass outside: mean", "mass outside: p99", "audited steps"],
+                [
+                    [
+                        a,
+                        str(h["size"]),
+                        _fmt(h.get("cut_mass_mean"), 5),
+                        _fmt(h.get("cut_mass_p99"), 5),
+                        str(h.get("audited_steps", 0)),
+                    ]
+                    for a, h in s["shortlist"].items()
+                ],
+            )
+        )
     out += _md_extras(s, images)
     out += ["", "## Metrics", ""]
     out.append(

@@ -440,3 +440,31 @@ class StageSpec(StrictModel):
     @classmethod
     def _words(cls, v: list[str]) -> list[str]:
         return clean_words(v)
+
+
+class HeadShortlist(StrictModel):
+    """Compute the output head only for a shortlist of tokens (:mod:`narrative_gravity.engines.shortlist`).
+
+    The shortlist is the ``shortlist`` most frequent tokens of the model's own frequency list (packaged for the
+    shipped models, or built with ``ngrav shortlist build``), plus the request's narrative support (field
+    tokens, required words, stage words) and the special and stop tokens. Every other logit is ``-inf``: those
+    tokens are never written. Transformers engine only.
+    """
+
+    shortlist: int = Field(ge=256, le=1_048_576, description="how many of the most frequent tokens to keep")
+    audit: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="the share of steps on which the full head runs too, to measure the probability mass the "
+        "shortlist cut (0 = off)",
+    )
+    file: str | None = Field(
+        None, description="a frequency list from `ngrav shortlist build`; left out, the model's packaged list"
+    )
+
+
+class Prune(StrictModel):
+    """Pruning that saves compute: ``head`` computes logits only for a shortlist of tokens."""
+
+    head: HeadShortlist | None = Field(None, description="the shortlist head: {shortlist: 32768}")

@@ -50,9 +50,11 @@ from .blocks import (
     ContextLevel,
     ConversationLevel,
     FieldOptions,
+    HeadShortlist,
     Lead,
     Phases,
     PlanLevel,
+    Prune,
     Require,
     StageSpec,
     StrictModel,
@@ -68,10 +70,12 @@ __all__ = [
     "ContextLevel",
     "ConversationLevel",
     "FieldOptions",
+    "HeadShortlist",
     "Lead",
     "Phases",
     "PlanLevel",
     "Profile",
+    "Prune",
     "Require",
     "StageSpec",
     "Thermostat",
@@ -125,6 +129,11 @@ class Profile(StrictModel):
     phases: Phases = Field(default_factory=Phases)
     thermostat: Thermostat = Field(default_factory=Thermostat)
     prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
+    prune: Prune | None = Field(
+        None,
+        description="pruning that saves compute: {head: {shortlist: 32768}} computes logits only for a shortlist "
+        "of tokens (transformers engine; see docs/shortlist.md)",
+    )
     field: FieldOptions = Field(default_factory=FieldOptions)
     stages: list[StageSpec] | None = Field(
         None,
@@ -256,6 +265,8 @@ NUMERIC_KEYS.update(
             ContextLevel,
             ConversationLevel,
             PlanLevel,
+            HeadShortlist,
+            Prune,
             Profile,
         )
     }

@@ -96,9 +96,29 @@ class Reader:
     def gravity_stats(self) -> dict[str, float]:
         """Means of the rows' trace means (the request's narrative mass and KL)."""
         rows = [s.gravity_json() for s in self.stats.values() if s.narrative_mass is not None]
-        if not rows:
-            return {}
-        return {k: round(sum(r[k] for r in rows) / len(rows), 5) for k in rows[0]}
+        out = {k: round(sum(r[k] for r in rows) / len(rows), 5) for k in rows[0]} if rows else {}
+        heads = [s.shortlist for s in self.stats.values() if s.shortlist]
+        if heads:  # prune.head: the shortlist's size, and with its audit the mass it cut
+            out["shortlist"] = {
+                "size": max(h["size"] for h in heads),
+                **cut_summary([c for h in heads for c in h.get("cut_masses", ())]),
+            }
+        return out
+
+
+def cut_summary(masses: list[float]) -> dict[str, float]:
+    """Mean and 99th percentile (linear, as numpy's) of the audited masses outside a shortlist; ``{}`` without any.
+
+    >>> cut_summary([0.0, 0.01, 0.02])
+    {'cut_mass_mean': 0.01, 'cut_mass_p99': 0.0198, 'audited_steps': 3}
+    """
+    if not masses:
+        return {}
+    xs = sorted(masses)
+    pos = 0.99 * (len(xs) - 1)
+    lo = int(pos)
+    p99 = xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+    return {"cut_mass_mean": round(sum(xs) / len(xs), 6), "cut_mass_p99": round(p99, 6), "audited_steps": len(xs)}
 
 
 def error_event(exc: BaseException) -> APIError:

@@ -82,6 +82,7 @@ class RowStats:
     kl: float | None = None
     strength: float | None = None
     entropy: float | None = None
+    shortlist: dict[str, Any] | None = None  # the shortlist head's size and audited cut masses (prune.head)
 
     def gravity_json(self) -> dict[str, float]:
         if self.narrative_mass is None:

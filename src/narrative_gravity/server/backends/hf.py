@@ -41,8 +41,10 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ...engines.hf import processor_from_profile
+from ...engines.hf_generate import profile_head_plan, shortlist_json
 from ...engines.options import GenerationOptions
 from ...engines.prompts import eos_token_ids, left_pad
+from ...engines.shortlist import shortlist_head
 from ...errors import ConfigurationError
 from ...gravity.thermo import METRICS, Measurement, Trace
 from ...models import DEFAULT_MODEL, load_model
@@ -240,6 +242,7 @@ class HFBackend(TokenizerText):
         with self._prepare_lock:
             field_from_profile(profile, self.tokenizer, model=self.model)
             processor_from_profile(profile, self.tokenizer, max_new_tokens=_PREPARE_TOKENS, model=self.model)
+            profile_head_plan(self.model, self.tokenizer, profile)  # a bad shortlist file fails here
 
     def prepare_format(self, fmt: ResponseFormat) -> None:
         """Compile ``fmt``'s grammar (cached), so that a schema llguidance cannot compile fails its request here."""
@@ -286,8 +289,12 @@ class HFBackend(TokenizerText):
         if any(not r.options.greedy for r in rows):
             processors.append(RowSamplerLogitsProcessor([r.options for r in rows], device=self.device))
         stops = RowStoppingCriteria(rows, width, device=self.device)
+        # The shortlist head, when every row's profile asks for it (a row without one needs the full head).
+        head = None
+        if all(r.gravity is not None for r in rows):
+            head = profile_head_plan(self.model, self.tokenizer, [r.gravity.profile for r in rows])
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), shortlist_head(self.model, head) as short:
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
@@ -304,7 +311,9 @@ class HFBackend(TokenizerText):
         gen = out[:, width:].cpu().tolist()
         lengths = [self._length(row, r.max_tokens, s) for row, r, s in zip(gen, rows, stops.stopped_at)]
         log.debug("batch of %d rows: %d steps in %.3f s", len(rows), len(gen[0]), time.perf_counter() - t0)
-        stats = [RowStats(new_tokens=n) for n in lengths]
+        cuts = short.cut_masses(lengths) if short is not None else None
+        heads = [None if head is None else shortlist_json(head, cuts[i]) for i in range(len(rows))]
+        stats = [RowStats(new_tokens=n, shortlist=h) for n, h in zip(lengths, heads)]
         for members, trace in traced:
             if not len(trace):
                 continue
@@ -316,6 +325,7 @@ class HFBackend(TokenizerText):
                     kl=means["kl"],
                     strength=means["strength"],
                     entropy=means["entropy"],
+                    shortlist=heads[i],
                 )
         return stats
 

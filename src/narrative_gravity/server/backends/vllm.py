@@ -249,7 +249,11 @@ class VLLMBackend(TokenizerText):
 
     def prepare(self, profile: Profile) -> None:
         """Parse the profile as the vLLM processor will, so a bad one fails its request before the engine."""
-
+        if profile.prune is not None and profile.prune.head is not None:
+            raise ConfigurationError(
+                "prune.head (the shortlist head) runs on the transformers engine only; take it out of the "
+                "profile for vLLM"
+            )
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
 
     def prepare_format(self, fmt: ResponseFormat) -> None:
