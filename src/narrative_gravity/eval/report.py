@@ -307,7 +307,7 @@ def plot_thermo(traces: dict[str, list[dict[str, list[float]]]], path: Path) -> 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return plot_traces(traces, path, title="thermometer traces: mean ± sd over prompts and seeds")
+        return plot_traces(traces, path, title="thermometer traces over prompts and seeds")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def _md_extras(s: dict[str, Any], images: dict[str, str]) -> list[str]:
         captions = {
             "metrics": "Per metric: each arm's aggregate with its 95% bootstrap interval.",
             "pareto": "Topic success against judge perplexity (up and to the left is better).",
-            "traces": "Thermometer traces: entropy, narrative mass after the pull and λ per step, mean ± sd.",
+            "traces": "Thermometer traces: entropy, narrative mass after the pull and λ per step, mean (line) and 10th–90th percentile (band) per step.",
         }
         for name, rel in images.items():
             out += [f"![{name}]({rel})", "", captions.get(name, ""), ""]
