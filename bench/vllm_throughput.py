@@ -85,7 +85,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     from narrative_gravity import models
 
-    folder = models._hf_folder(models.resolve_model(args.model), None, with_model=True)
+    folder = models.hf_folder(args.model)
     extra: dict[str, Any] = {}
     if args.kv_cache_mb is not None:
         extra["kv_cache_memory_bytes"] = args.kv_cache_mb * 2**20

@@ -137,3 +137,44 @@ def tiny_backend(tiny_model: tuple[Any, Any]) -> Any:
 
     model, tokenizer = tiny_model
     return HFBackend(model, with_chat_template(tokenizer), model_id="tiny")
+
+
+# ------------------------------------------------------------------------------ browser tests, counted
+# Tests marked `browser` drive headless Chromium and are skipped where it is missing. So that a skipped browser
+# test is never silent, the run ends with one line that counts them; scripts/test.sh prints it again as its
+# last line (it sets NGRAV_BROWSER_SUMMARY to a file for it).
+_browser: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+_browser_reasons: dict[str, None] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "browser" not in report.keywords:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _browser[report.outcome].append(report.nodeid)
+        if report.skipped and isinstance(report.longrepr, tuple):
+            _browser_reasons[str(report.longrepr[2]).removeprefix("Skipped: ")] = None
+
+
+def browser_summary() -> str | None:
+    """``browser tests: 5 ran (5 passed), 0 skipped``, with the reasons for any skip; None when none ran."""
+    ran = len(_browser["passed"]) + len(_browser["failed"])
+    skipped = len(_browser["skipped"])
+    if not ran and not skipped:
+        return None
+    line = f"browser tests: {ran} ran ({len(_browser['passed'])} passed, {len(_browser['failed'])} failed), {skipped} skipped"
+    if _browser_reasons:
+        line += ": " + "; ".join(_browser_reasons)
+    return line
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    import os
+
+    line = browser_summary()
+    if line is None:
+        return
+    terminalreporter.write_line(line, yellow=bool(_browser["skipped"]), green=not _browser["skipped"])
+    path = os.environ.get("NGRAV_BROWSER_SUMMARY")
+    if path:
+        Path(path).write_text(line + "\n", encoding="utf-8")

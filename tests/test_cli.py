@@ -276,3 +276,16 @@ def test_unknown_engine_is_refused(tmp_path, prompts):
         args = [*cmd, "--prompts", str(prompts), "--engine", "tgi"]
         res = runner.invoke(app, [*args, *(["--out", str(tmp_path / "r")] if cmd[0] == "eval" else [])])
         _one_line_error(res, "--engine must be hf or vllm", "'tgi'")
+
+
+def test_reach_topics_reads_the_shipped_word_lists(tiny_folder, monkeypatch):
+    monkeypatch.delenv("NARRATIVE_GRAVITY_BENCH", raising=False)
+    res = runner.invoke(app, ["reach", "--topics", "--model", str(tiny_folder)], terminal_width=200)
+    assert res.exit_code in (0, 1), res.output  # 1: some list under 99% reachable on this tiny tokenizer
+    for topic in ("computers", "legal", "military", "politics", "religion", "science", "space"):
+        assert topic in res.output
+
+
+def test_reach_without_lists_or_topics_says_what_to_give():
+    res = runner.invoke(app, ["reach"])
+    assert res.exit_code == 2 and "--topics" in res.output

@@ -293,14 +293,27 @@ def test_topics_prompt_set_missing_gives_a_clear_error(tmp_path, monkeypatch):
         load_prompts("topics")
 
 
-def test_shared_topics_set_never_conditions_on_a_held_out_word():
-    try:
-        ps = load_topics()
-    except ConfigurationError:
-        pytest.skip("the shared bench folder is not next to this checkout")
+def test_shipped_topics_set_never_conditions_on_a_held_out_word(monkeypatch):
+    monkeypatch.delenv("NARRATIVE_GRAVITY_BENCH", raising=False)
+    ps = load_topics()  # the PPLM/FUDGE data shipped with the package: no folder next to the checkout needed
     assert len(ps) == 140 and len({p.topic_name for p in ps}) == 7
     for p in ps:
         assert not {w.casefold() for w in p.heldout_words} & {w.casefold() for w in p.topic_words}
+
+
+def test_shipped_topics_data_is_package_data_with_its_source_and_licence():
+    from narrative_gravity.eval.topics import PACKAGED_TOPICS
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package = root / "src" / "narrative_gravity"
+    shipped = {p for g in globs["narrative_gravity"] for p in package.glob(g) if p.is_file()}
+    files = {p for p in PACKAGED_TOPICS.rglob("*") if p.is_file()}
+    assert len(files) == 10 and files <= shipped  # prefixes, 7 lists, README (source), LICENSE
+    assert "MIT License" in (PACKAGED_TOPICS / "LICENSE").read_text()
+    assert "naacl-2021-fudge-controlled-generation" in (PACKAGED_TOPICS / "README.md").read_text()
 
 
 def test_jsonl_prompts_carry_topic_heldout_and_profile(tmp_path):

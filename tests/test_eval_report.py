@@ -132,6 +132,7 @@ def test_html_is_self_contained(run_dir):
     assert not re.search(r"(src|href)=['\"](?!data:)", page)  # nothing to fetch
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (Debian package `chromium`)")
 def test_html_report_renders_in_a_headless_browser(run_dir, tmp_path):
     from matplotlib.image import imread

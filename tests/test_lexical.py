@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from narrative_gravity.errors import FieldError, VocabularyError
+from narrative_gravity.eval.topics import PACKAGED_TOPICS
 from narrative_gravity.fields import (
     NarrativeField,
     build_lexical_field,
@@ -23,8 +24,7 @@ from narrative_gravity.fields import (
 )
 from narrative_gravity.fields.lexical import PENALIZE_WINS
 
-SHARED_BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench"
-WORDLISTS = SHARED_BENCH / "topics" / "wordlists"
+WORDLISTS = PACKAGED_TOPICS / "wordlists"  # the topic protocol's lists, shipped with the package
 
 
 def enc(tok: Any, text: str) -> list[int]:
@@ -403,13 +403,10 @@ def test_gemma_build_time_200_words(gemma: Any) -> None:
 
 
 def _wordlists() -> list[Path]:
-    if not WORDLISTS.is_dir():
-        return []
     return sorted(WORDLISTS.glob("*.txt"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not WORDLISTS.is_dir(), reason=f"shared bench word lists not found at {WORDLISTS}")
 def test_bench_wordlists_reachable_in_smollm2(smollm2: Any) -> None:
     paths = _wordlists()
     assert len(paths) == 7, f"expected 7 word lists in {WORDLISTS}, found {[p.name for p in paths]}"

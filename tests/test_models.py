@@ -76,3 +76,22 @@ def test_the_tokenizer_adds_bos_where_the_gguf_file_says_so(name, bos_first):
     tok = models.load_tokenizer(name)  # the shared cache: a folder converted before this fix is made again
     ids = tok("In summary")["input_ids"]
     assert (ids[0] == tok.bos_token_id) is bos_first, ids
+
+
+def test_hf_folder_returns_a_folder_as_is_and_names_a_missing_one(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert models.hf_folder(tmp_path) == tmp_path
+    with pytest.raises(ModelNotFoundError, match="smollm2, gemma3-270m"):
+        models.hf_folder(tmp_path / "nowhere")
+
+
+def test_model_path_command_prints_only_the_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from narrative_gravity.cli.main import app
+
+    (tmp_path / "config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["model", "path", str(tmp_path)])
+    assert res.exit_code == 0 and res.stdout.strip() == str(tmp_path)
+    res = CliRunner().invoke(app, ["model", "path", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "smollm2, gemma3-270m" in res.output and "Traceback" not in res.output

@@ -195,10 +195,15 @@ def test_topic_default_matches_profiles_topic_yaml() -> None:
 # ----------------------------------------------------------------------------------------------- browser
 
 CHROMEDRIVER = shutil.which("chromedriver")
-needs_browser = pytest.mark.skipif(
+_skip_without_browser = pytest.mark.skipif(
     CHROMEDRIVER is None or shutil.which("chromium") is None,
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
+
+
+def needs_browser(fn: Any) -> Any:
+    """A test that drives Chromium: marked ``browser`` (counted at the end of the run) and skipped without it."""
+    return pytest.mark.browser(_skip_without_browser(fn))
 
 
 @contextlib.contextmanager

@@ -435,7 +435,7 @@ def _engine(**kwargs: Any) -> Any:
 
     from narrative_gravity import models
 
-    folder = models._hf_folder(models.resolve_model(), None, with_model=True)
+    folder = models.hf_folder()
     return LLM(
         model=str(folder),
         dtype="float32",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,12 +12,18 @@ import numpy as np
 
 from .errors import ConfigurationError
 
-__all__ = ["plot_traces", "pyplot"]
+__all__ = ["BAND", "CAPTION", "plot_traces", "pyplot", "trace_figure"]
 
+# (trace key, axis label, the quantity's range): the bands are clipped to it (entropy, mass and λ are never negative)
 _PANELS = (
-    ("entropy", "entropy H(p) [nats]"),
-    ("mass_after", "narrative mass (after pull)"),
-    ("strength", "strength λ"),
+    ("entropy", "entropy H(p) [nats]", (0.0, None)),
+    ("mass_after", "narrative mass (after pull)", (0.0, 1.0)),
+    ("strength", "strength λ", (0.0, None)),
+)
+BAND = (10, 90)  # percentiles across generations, per step
+CAPTION = (
+    "Lines: the mean over a run's generations at each generated token. Bands: the 10th to 90th percentile "
+    "across those generations, within the quantity's range."
 )
 
 
@@ -41,10 +48,22 @@ def _stack(traces: Sequence[Mapping[str, Sequence[float]]], key: str) -> np.ndar
     return out
 
 
+def _band(data: np.ndarray, limits: tuple[float | None, float | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(mean, low, high)`` per step: the mean and the :data:`BAND` percentiles, clipped to ``limits``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no generation reached is all NaN
+        mean = np.nanmean(data, axis=0)
+        low, high = np.nanpercentile(data, BAND, axis=0)
+    lo, hi = limits
+    return mean, np.clip(low, lo, hi), np.clip(high, lo, hi)
+
+
 def plot_traces(
     runs: Mapping[str, Sequence[Mapping[str, Sequence[float]]]], path: str | Path, *, title: str = ""
 ) -> Path:
-    """Save a PNG with entropy, narrative mass and λ over the steps, one line (mean ± band) per run.
+    """Save a PNG with entropy, narrative mass and λ over the steps: per run a line (the mean over its
+    generations) and a band (their 10th to 90th percentile, clipped to the quantity's range), with a caption
+    that says so. A long ``title`` wraps.
 
     ``runs`` maps a label (``control``, ``gravity``) to a list of per-generation traces, each a mapping of
     metric name to per-step values.
@@ -52,27 +71,40 @@ def plot_traces(
     plt = pyplot()
     if plt is None:  # pragma: no cover - depends on the environment
         raise ConfigurationError("plots need matplotlib; install it with:\n    pip install 'narrative-gravity[plot]'")
-    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.2 * len(_PANELS), 3.4), constrained_layout=True)
-    for label, traces in runs.items():
-        traces = [t for t in traces if t]
-        if not traces:
-            continue
-        for ax, (key, ylabel) in zip(axes, _PANELS, strict=True):
-            data = _stack(traces, key)
-            steps = np.arange(data.shape[1])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                mean = np.nanmean(data, axis=0)
-                sd = np.nanstd(data, axis=0)
-            (line,) = ax.plot(steps, mean, label=label)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2, color=line.get_color())
-            ax.set_xlabel("generated token")
-            ax.set_ylabel(ylabel)
-    axes[0].legend()
-    if title:
-        fig.suptitle(title)
+    fig = trace_figure(runs, title=title)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def trace_figure(runs: Mapping[str, Sequence[Mapping[str, Sequence[float]]]], *, title: str = "") -> Any:
+    """The figure :func:`plot_traces` saves (matplotlib's ``Figure``); the caller closes it."""
+    plt = pyplot()
+    if plt is None:  # pragma: no cover - depends on the environment
+        raise ConfigurationError("plots need matplotlib; install it with:\n    pip install 'narrative-gravity[plot]'")
+    width = 4.2 * len(_PANELS)
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(width, 3.8), constrained_layout=True)
+    for label, traces in runs.items():
+        traces = [t for t in traces if t]
+        if not traces:
+            continue
+        for ax, (key, ylabel, limits) in zip(axes, _PANELS, strict=True):
+            mean, low, high = _band(_stack(traces, key), limits)
+            steps = np.arange(mean.shape[0])
+            (line,) = ax.plot(steps, mean, label=f"{label}: mean of {len(traces)}")
+            ax.fill_between(
+                steps, low, high, alpha=0.2, color=line.get_color(), label=f"{label}: {BAND[0]}th–{BAND[1]}th pct"
+            )
+            ax.set_xlabel("generated token")
+            ax.set_ylabel(ylabel)
+            if limits[0] is not None:
+                ax.set_ylim(bottom=limits[0])
+    axes[0].legend(fontsize="small")
+    chars = int(width * 12)  # about the characters a line of the suptitle holds at its default size
+    if title:
+        fig.suptitle("\n".join(textwrap.wrap(title, chars, max_lines=3, placeholder=" …")))
+    fig.get_layout_engine().set(h_pad=0.1)
+    fig.supxlabel(textwrap.fill(CAPTION, int(chars * 1.25)), fontsize="small", color="0.3")
+    return fig

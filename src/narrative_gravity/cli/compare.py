@@ -109,7 +109,7 @@ def _run(model: Any, tok: Any, prof: Profile, prompt: str, options: GenerationOp
     console.print(table)
     if out.plot is not None:
         traces = {"control": [r.control.trace for r in rows], "gravity": [r.gravity.trace for r in rows]}
-        path = plots.plot_traces(traces, out.plot, title=f"{prof.name}: {prompt[:60]}")
+        path = plots.plot_traces(traces, out.plot, title=f"{prof.name}: {prompt}")
         console.print(f"trace plot saved to {path}")
     if out.json_out is not None:
         _save(out.json_out, prompt, prof, summary, rows)

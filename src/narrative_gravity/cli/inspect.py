@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..eval.topics import topic_wordlists
 from .common import ModelOpt, guarded, load, read_profile, read_text, tokenizer
 
 __all__ = ["app"]
@@ -50,15 +51,24 @@ def inspect(
 
 @app.command()
 def reach(
-    wordlists: Annotated[list[Path], typer.Argument(help="word list files, one word per line")],
+    wordlists: Annotated[list[Path] | None, typer.Argument(help="word list files, one word per line")] = None,
+    topics: Annotated[
+        bool,
+        typer.Option("--topics", help="also the topic protocol's 7 word lists (shipped, or $NARRATIVE_GRAVITY_BENCH)"),
+    ] = False,
     model: ModelOpt = None,
 ) -> None:
     """Count, per word list, the words that no surface form of the tokenizer can write.
 
-    Example: ngrav reach ../shared/bench/topics/wordlists/*.txt
+    Examples: ngrav reach --topics · ngrav reach my_words.txt --model gemma3-270m
     """
     from ..fields.lexical import reach as reach_words  # torch: not for --help
 
+    wordlists = list(wordlists or [])
+    if topics:
+        wordlists += guarded(topic_wordlists)
+    if not wordlists:
+        raise typer.BadParameter("give word list files, or --topics for the topic protocol's lists")
     tok = tokenizer(model)
     table = Table(title=f"reach in {model or 'smollm2'}")
     for col in ("list", "words", "unreachable", "reachable %", "unreachable words"):

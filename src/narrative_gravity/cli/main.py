@@ -6,6 +6,7 @@ Examples::
         --prompt "Write a binary search in Java and explain its time complexity." --seeds 5
     ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
     ngrav inspect --profile profiles/binary_search.json
+    ngrav model path smollm2          # the model folder for `vllm serve`
 
 Every user mistake (a missing or unreadable file, an output path that cannot be written, a model that is not
 there) ends in one line naming the problem and the fix, with exit code 2, before any model is loaded.
@@ -23,6 +24,7 @@ import typer
 from . import compare, generate, inspect, levels, rollout, serve, shortlist
 from . import eval as evaluate
 from .common import set_debug
+from .model import model_app
 from .profile import profile_app
 
 __all__ = ["app", "main"]
@@ -37,6 +39,7 @@ for group in (generate, compare, inspect, evaluate, serve, levels, shortlist):
     app.add_typer(group.app)
 profile_app.add_typer(rollout.app)  # promote, rollout and report join the store's commands
 app.add_typer(profile_app, name="profile")
+app.add_typer(model_app, name="model")
 
 
 @app.callback()

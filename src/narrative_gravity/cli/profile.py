@@ -12,6 +12,8 @@ Examples::
     ngrav profile rollout space --shadow 0.05 --split-version 4 --split-share 0.1
     ngrav profile report space
     ngrav profile promote space --prompts topics --limit distinct_2:0.05 --limit rep_2:0.05
+    ngrav profile schema > profiles/profile.schema.json
+    ngrav profile docs > docs/profiles.md
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..profiles.reference import profile_reference, profile_schema_text
 from ..profiles.schema import load_profile
 from ..profiles.store import ProfileStore
 from .common import guarded as _guard
@@ -50,7 +53,9 @@ profile_app = typer.Typer(
         "ngrav profile stage space profiles/space_v2.yaml\n\n"
         "ngrav profile rollout space --shadow 0.05 --split-version 4 --split-share 0.1\n\n"
         "ngrav profile report space\n\n"
-        "ngrav profile promote space --prompts prompts.txt --limit distinct_2:0.05"
+        "ngrav profile promote space --prompts prompts.txt --limit distinct_2:0.05\n\n"
+        "ngrav profile schema > profiles/profile.schema.json   (the JSON Schema, for editors)\n\n"
+        "ngrav profile docs > docs/profiles.md   (the reference, from the schema)"
     ),
 )
 
@@ -242,3 +247,24 @@ def stage(
     version = _guard(lambda: store.stage(name, profile, message=message))
     live = _guard(lambda: store.live_version(name))
     typer.echo(f"{name}: staged version {version}; version {live} stays live")
+
+
+@profile_app.command("schema")
+def schema() -> None:
+    """Print the JSON Schema of a profile, for editors that validate and complete profile files.
+
+    The repository ships it as profiles/profile.schema.json; a YAML profile points at it with a first line
+    `# yaml-language-server: $schema=profile.schema.json`, a JSON profile with a "$schema" key.
+
+    Example: ngrav profile schema > profiles/profile.schema.json
+    """
+    sys.stdout.write(profile_schema_text())
+
+
+@profile_app.command("docs")
+def docs() -> None:
+    """Print the profile reference (Markdown), generated from the schema's field descriptions.
+
+    Example: ngrav profile docs > docs/profiles.md
+    """
+    sys.stdout.write(profile_reference())

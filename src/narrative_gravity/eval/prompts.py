@@ -12,7 +12,8 @@ A JSONL line is an object with a string ``prompt`` and, optionally:
   with these words in place of the block's own (its other settings stay), and the ``required_inclusion``
   metric scores every arm, plain decoding included, by the share of them the text holds.
 
-``topics`` reads ``prefixes.txt`` and ``wordlists/<topic>.txt`` from the shared bench folder and splits each
+``topics`` reads ``prefixes.txt`` and ``wordlists/<topic>.txt`` from the folder shipped with the package
+(``eval/data/topics``, or ``$NARRATIVE_GRAVITY_BENCH``) and splits each
 word list deterministically: after stripping each line and dropping blank ones, the words at even positions
 (0, 2, 4, …) are the conditioning half and the words at odd positions the held-out half. A held-out word that
 also appears in the conditioning half (case-insensitively) is dropped, so no scoring word is ever given to

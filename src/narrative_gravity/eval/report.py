@@ -376,7 +376,8 @@ def _md_extras(s: dict[str, Any], images: dict[str, str]) -> list[str]:
         captions = {
             "metrics": "Per metric: each arm's aggregate with its 95% bootstrap interval.",
             "pareto": "Topic success against judge perplexity (up and to the left is better).",
-            "traces": "Thermometer traces: entropy, narrative mass after the pull and λ per step, mean ± sd.",
+            "traces": "Thermometer traces: entropy, narrative mass after the pull and λ per step, mean (line) and "
+            "10th–90th percentile (band) per step.",
         }
         for name, rel in images.items():
             out += [f"![{name}]({rel})", "", captions.get(name, ""), ""]

@@ -121,4 +121,4 @@ def plot_thermo(traces: dict[str, list[dict[str, list[float]]]], path: Path) -> 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return plot_traces(traces, path, title="thermometer traces: mean ± sd over prompts and seeds")
+        return plot_traces(traces, path, title="thermometer traces over prompts and seeds")

@@ -1,5 +1,5 @@
 """What every prompt set builds on: :class:`EvalPrompt`, the split of a word list into a conditioning and a
-held-out half, the shared bench folder with its prefixes, and the PPLM/FUDGE topic set itself
+held-out half, the topic folder with its prefixes (shipped with the package), and the PPLM/FUDGE topic set itself
 (:mod:`.prompts`, :mod:`.lexicon` and :mod:`.chat` read them).
 
 >>> split_wordlist(["planet ", "galaxy", "", "orbit", "Planet", "moon"])
@@ -21,6 +21,7 @@ __all__ = [
     "CHAT_TOPIC_SETS",
     "EMPATH",
     "EMPATH_TUNE",
+    "PACKAGED_TOPICS",
     "TOPICS",
     "TOPICS_TUNE",
     "TOPIC_SETS",
@@ -29,6 +30,7 @@ __all__ = [
     "load_topics",
     "read_prefixes",
     "split_wordlist",
+    "topic_wordlists",
 ]
 
 BENCH_ENV = "NARRATIVE_GRAVITY_BENCH"
@@ -67,36 +69,38 @@ def split_wordlist(lines: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ..
     return cond, tuple(held)
 
 
-def _repo_roots() -> list[Path]:
-    roots = []
-    here = Path(__file__).resolve()
-    for start in (here.parent, Path.cwd().resolve()):
-        for p in (start, *start.parents):
-            if (p / "pyproject.toml").exists():
-                roots.append(p)
-                break
-    return list(dict.fromkeys(roots))
+#: The protocol's data shipped with the package (``data/topics/README.md``: source and licence).
+PACKAGED_TOPICS = Path(__file__).resolve().parent / "data" / "topics"
 
 
 def find_topics_folder() -> Path:
-    """The ``topics`` bench folder: ``$NARRATIVE_GRAVITY_BENCH`` (the bench folder or its ``topics`` folder),
-    else ``shared/bench/topics`` next to the repository."""
-    tried: list[Path] = []
+    """The ``topics`` folder: ``$NARRATIVE_GRAVITY_BENCH`` (a bench folder that holds ``topics/``, or the
+    ``topics`` folder itself) when it is set, else the PPLM/FUDGE data shipped with the package.
+
+    >>> find_topics_folder() == PACKAGED_TOPICS or BENCH_ENV in os.environ
+    True
+    """
     env = os.environ.get(BENCH_ENV)
-    if env:
-        base = Path(env).expanduser()
-        candidates = [base / "topics", base]
-    else:
-        candidates = [root.parent / "shared" / "bench" / "topics" for root in _repo_roots()]
-    for c in candidates:
-        tried.append(c)
+    if not env:
+        return PACKAGED_TOPICS
+    base = Path(env).expanduser()
+    for c in (base / "topics", base):
         if (c / "prefixes.txt").is_file() and (c / "wordlists").is_dir():
             return c
-    where = ", ".join(str(t) for t in tried) or "(no repository root found)"
     raise ConfigurationError(
-        f"the `topics` prompt set needs the shared bench folder (prefixes.txt and wordlists/); looked in {where}. "
-        f"Set {BENCH_ENV} to the bench folder (the one that holds topics/), or pass --prompts FILE"
+        f"{BENCH_ENV}={env} holds no topic set: expected prefixes.txt and wordlists/*.txt in {base / 'topics'} or "
+        f"{base}. Unset {BENCH_ENV} to use the PPLM/FUDGE set shipped with the package"
     )
+
+
+def topic_wordlists(folder: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The word list files of a topic set (default: :func:`find_topics_folder`), sorted by name.
+
+    >>> [p.stem for p in topic_wordlists(PACKAGED_TOPICS)]
+    ['computers', 'legal', 'military', 'politics', 'religion', 'science', 'space']
+    """
+    root = Path(folder) if folder is not None else find_topics_folder()
+    return sorted((root / "wordlists").glob("*.txt"))
 
 
 def read_prefixes(root: Path) -> list[str]:
@@ -123,7 +127,7 @@ def load_topics(folder: str | os.PathLike[str] | None = None, *, tuning: bool = 
     """
     root = Path(folder) if folder is not None else find_topics_folder()
     prefixes = read_prefixes(root)
-    lists = sorted((root / "wordlists").glob("*.txt"))
+    lists = topic_wordlists(root)
     if not prefixes or not lists:
         raise ConfigurationError(f"{root} has no prefixes or no word lists; expected prefixes.txt and wordlists/*.txt")
     out: list[EvalPrompt] = []

@@ -97,9 +97,9 @@ class Phases(StrictModel):
 
     explore_until: float = Field(0.2, ge=0.0, le=1.0, description="fraction of the budget spent exploring")
     strict_from: float = Field(0.8, ge=0.0, le=1.0, description="fraction of the budget where strict begins")
-    explore: float = Field(0.5, ge=0.0, le=10.0)
-    converge: float = Field(1.0, ge=0.0, le=10.0)
-    strict: float = Field(1.5, ge=0.0, le=10.0)
+    explore: float = Field(0.5, ge=0.0, le=10.0, description="λ = gravity_strength × this while exploring")
+    converge: float = Field(1.0, ge=0.0, le=10.0, description="λ = gravity_strength × this while converging")
+    strict: float = Field(1.5, ge=0.0, le=10.0, description="λ = gravity_strength × this near the end")
 
     @model_validator(mode="after")
     def _ordered(self) -> Phases:

@@ -117,24 +117,54 @@ THERMOSTAT_MAX_PER_STRENGTH = 4.25 / 1.5
 class Profile(StrictModel):
     """A narrative profile. Only ``core_semantics`` is required."""
 
-    name: str | None = None
-    description: str | None = None
-    task_type: str | None = None
-    core_semantics: list[str] = Field(min_length=1)
-    gravity_strength: float = Field(1.5, ge=0.0, le=20.0)
-    penalize: list[str] = Field(default_factory=list)
-    decay_after_steps: int | None = Field(None, ge=0)
-    decay_half_life: float = Field(25.0, gt=0.0)
-    schedule: Literal["constant", "phases", "thermostat"] = "thermostat"
-    phases: Phases = Field(default_factory=Phases)
-    thermostat: Thermostat = Field(default_factory=Thermostat)
-    prune_threshold: float | None = Field(None, ge=-1.0, lt=1.0)
+    name: str | None = Field(None, description="a label for traces, reports and the store; None = the file's stem")
+    description: str | None = Field(None, description="free text for people; never read by the pull")
+    task_type: str | None = Field(
+        None, description="free text, e.g. code_generation or storytelling (the article's key); never read by the pull"
+    )
+    core_semantics: list[str] = Field(
+        min_length=1,
+        description="the words of the narrative; binary_search is read as binary, search and the phrase "
+        "'binary search'",
+    )
+    gravity_strength: float = Field(
+        1.5,
+        ge=0.0,
+        le=20.0,
+        description="how hard the pull may get: the thermostat's λ_max is gravity_strength × 4.25 / 1.5 unless "
+        "thermostat.max_strength is set; the λ of constant, the base of phases",
+    )
+    penalize: list[str] = Field(default_factory=list, description="words pushed away: they get a negative field value")
+    decay_after_steps: int | None = Field(
+        None, ge=0, description="after this many generated tokens the pull fades with decay_half_life; None = never"
+    )
+    decay_half_life: float = Field(
+        25.0, gt=0.0, description="tokens over which a fading pull halves (after decay_after_steps)"
+    )
+    schedule: Literal["constant", "phases", "thermostat"] = Field(
+        "thermostat",
+        description="how λ is chosen each step: thermostat (the smallest λ that reaches a target narrative "
+        "mass), constant (λ = gravity_strength, the classic pull) or phases (explore, converge, strict)",
+    )
+    phases: Phases = Field(default_factory=Phases, description="the phases schedule's budget split and multipliers")
+    thermostat: Thermostat = Field(
+        default_factory=Thermostat, description="the thermostat schedule's targets, drift and entropy feedback"
+    )
+    prune_threshold: float | None = Field(
+        None,
+        ge=-1.0,
+        lt=1.0,
+        description="mask the tokens whose field value is at or below this (true pruning; -0.5 drops penalized "
+        "words); None = no pruning",
+    )
     prune: Prune | None = Field(
         None,
         description="pruning that saves compute: {head: {shortlist: 32768}} computes logits only for a shortlist "
         "of tokens (transformers engine; see docs/shortlist.md)",
     )
-    field: FieldOptions = Field(default_factory=FieldOptions)
+    field: FieldOptions = Field(
+        default_factory=FieldOptions, description="how the field over the vocabulary is built from the words"
+    )
     stages: list[StageSpec] | None = Field(
         None,
         min_length=1,
@@ -161,6 +191,14 @@ class Profile(StrictModel):
         "left out, a thermostat profile gets the topic default's (one word, KL budget 0.05, plain continuation "
         "only); false = none",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_key(cls, data: Any) -> Any:
+        # `"$schema": "profile.schema.json"` tells an editor which JSON Schema a file follows; not a setting
+        if isinstance(data, dict) and isinstance(data.get("$schema"), str):
+            return {k: v for k, v in data.items() if k != "$schema"}
+        return data
 
     @field_validator("require", mode="before")
     @classmethod
