@@ -21,6 +21,15 @@ def test_help_lists_commands():
         assert cmd in res.output
 
 
+def test_short_help_and_version():
+    import narrative_gravity as ng
+
+    assert runner.invoke(app, ["compare", "-h"]).output == runner.invoke(app, ["compare", "--help"]).output
+    assert "--held-out" in runner.invoke(app, ["compare", "-h"]).output
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"narrative-gravity {ng.__version__}"
+
+
 def test_generate_needs_profile_or_no_gravity(tmp_path):
     p = tmp_path / "p.txt"
     p.write_text("hello\n")

@@ -34,6 +34,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Keep LLM generation on its narrative while it decodes.",
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
 )
 for group in (generate, compare, inspect, evaluate, serve, levels, shortlist):
     app.add_typer(group.app)
@@ -42,9 +43,21 @@ app.add_typer(profile_app, name="profile")
 app.add_typer(model_app, name="model")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version  # the installed package's metadata: no torch for --version
+
+        typer.echo(f"narrative-gravity {version('narrative-gravity')}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
     debug: Annotated[bool, typer.Option("--debug", help="print the traceback of an error, too")] = False,
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="print the version and exit"),
+    ] = False,
 ) -> None:
     set_debug(debug)
 
