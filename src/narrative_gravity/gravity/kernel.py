@@ -27,9 +27,11 @@ arrays, copied to the device only when they change; per-row history lives on the
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,7 +45,7 @@ from .stages import StagePlan, advance_stages
 from .thermo import Measurement, Workspace, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
 
-__all__ = ["GravityKernel", "Program", "StepResult"]
+__all__ = ["COMPILE_ENV", "COMPILE_MODES", "GravityKernel", "Program", "StepResult", "compile_mode", "compiled_step"]
 
 # Above this share of the vocabulary a union of supports is handled as the whole vocabulary.
 _DENSE_SHARE = 0.5
@@ -175,12 +177,20 @@ class GravityKernel:
         max_idle: programs no row uses are kept for reuse until more than this many pile up.
     """
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", *, max_idle: int = 32) -> None:
+    def __init__(
+        self, capacity: int, device: torch.device | str = "cpu", *, max_idle: int = 32, compile: str | None = None
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigurationError(f"`capacity` has to be a positive integer, but is {capacity!r}")
         self.capacity = capacity
         self.device = torch.device(device)
         self.max_idle = max_idle
+        self.compile = compile_mode(compile)
+        self._compiled: Callable[..., tuple[torch.Tensor, StepResult]] | None = None
+        self._row_range: torch.Tensor | None = None
+        # the solver's grid bits when compiled: fixed (the answer does not depend on them), so that the batch
+        # size never changes the compiled code; 7 bits = 2 levels for the default 14 iterations
+        self._bits = 7
         # programs: slot -> Program, with reference counts and an LRU of idle slots
         self._programs: dict[int, Program] = {}
         self._by_key: dict[str, int] = {}
@@ -527,57 +537,32 @@ class GravityKernel:
         self._vocab = vocab
         bank = self._bank_for(vocab, logits.dtype)
         plan = self._plan(bank, rows, rows_np)
-        frow = plan.first + self.stage[rows] if plan.staged else plan.first
-        support = bank.support
-        recent = self.recent[rows]
-        a = self._field_rows(bank, frow, recent)  # [B, S]
-        if plan.repeat is not None and plan.said_index is not None:
-            said = self._said(vocab).view(-1).index_select(0, plan.said_index).view(b, -1)
-            a = torch.where(said & (a > 0), a * plan.repeat.to(a.dtype), a)
-        rs = plan.schedule
-        step = self.step[rows]
-        probs = entropy = finite = None
-        if measure_only:
-            lam = torch.zeros(b, dtype=torch.float32, device=logits.device)
-        elif strength is not None:
-            lam = strength(self._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
-        else:
-            lam = None
-            if not rs.all_thermostat:
-                lam = scheduled_strength(step, rs).to(torch.float32)
-            if rs.any_thermostat:
-                probs, entropy = probabilities(logits, None if bank.dense else support, workspace=self._work)
-                columns = plan.columns if plan.columns is not None else bank.columns[frow]
-                prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
-                on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
-                target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
-                budget = kl_budget_at(step, rs)
-                solved = prob.solve(
-                    target, rs.base32, plan.iterations, plan.row_iterations, workspace=self._work, kl_budget=budget
-                )
-                finite = prob.alive
-                lam = solved if lam is None else torch.where(rs.thermostat, solved, lam)
-        mask = None
-        if plan.threshold is not None:
-            on_support = a <= plan.threshold
-            if bank.dense:
-                mask = on_support
-            else:
-                mask = (plan.threshold >= 0).expand(b, vocab).clone()
-                mask[:, support] = on_support
-        sparse = None if bank.dense else support
-        # the measurement reads the unpulled logits, except where the thermostat's softmax already holds
-        # everything it needs (a field on a support, no pruning)
-        inplace = inplace and (not measure_step or (probs is not None and mask is None and not bank.dense))
-        out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse, inplace=inplace)
-        if plan.require is not None and not measure_only:
-            tables = bank.require
-            written = self.written[rows, : tables.n_words]
-            pull_required(out, tables, plan.require, written, recent, step, self._upload(bank)["budget"][rows])
-        result = StepResult(strength=lam, finite=finite)
-        if measure_step or measure_only:
-            result.measurement = self._measure(logits, out, a, lam, mask, bank, probs, entropy, plan)
-        return out, result
+        dev = self._upload(bank)
+        said = self._said(vocab) if plan.repeat is not None and plan.said_index is not None else None
+        state = _State(self.recent, self.step, self.stage, said, self.written, dev["budget"])
+        compiled = self._compiled_step(strength, measure_only)
+        if compiled is not None:
+            if isinstance(rows, slice):
+                rows = self._row_ids(b)
+            return compiled(bank, plan, logits, rows, state, measure_step, inplace, self._bits)
+        return _step(bank, plan, logits, rows, state, measure_step, inplace, None, self._work, measure_only, strength)
+
+    def _compiled_step(
+        self, strength: Callable[[torch.Tensor], torch.Tensor] | None, measure_only: bool
+    ) -> Callable[..., tuple[torch.Tensor, StepResult]] | None:
+        """The compiled step, or ``None`` where the step runs eager (compile off; a controller of the user's
+        own, which is Python code; the measure-only control run)."""
+        if self.compile == "off" or strength is not None or measure_only:
+            return None
+        if self._compiled is None:
+            self._compiled = compiled_step(self.compile)
+        return self._compiled
+
+    def _row_ids(self, b: int) -> torch.Tensor:
+        """``0..b-1`` on the device (cached): the transformers case's rows, as the compiled step takes them."""
+        if self._row_range is None or self._row_range.shape[0] < b:
+            self._row_range = torch.arange(self.capacity, device=self.device)
+        return self._row_range[:b]
 
     def _plan(self, bank: _Bank, rows: torch.Tensor | slice, rows_np: np.ndarray) -> _Plan:
         """The step plan of ``rows`` (cached until rows or programs change)."""
@@ -587,6 +572,7 @@ class GravityKernel:
         if plan is not None:
             return plan
         rs = RowSchedule(self.sched[rows_np], self.budget[rows_np], self.device)
+        rs.gate(bank.pos_of.numel())  # made here, on the host: a step only reads it
         first = dev["first"][rows]
         staged = bool(self.last_stage[rows_np].any())
         repeat = self.repeat[rows_np]
@@ -618,8 +604,8 @@ class GravityKernel:
         self._plans[key] = plan
         return plan
 
+    @staticmethod
     def _measure(
-        self,
         logits: torch.Tensor,
         out: torch.Tensor,
         a: torch.Tensor,
@@ -633,7 +619,7 @@ class GravityKernel:
         if bank.dense:
             return measure(logits, a, lam, pulled=out)
         if mask is not None and plan.prunes_off_support:  # pruning reaches tokens off the support: measure densely
-            return measure(logits, self._dense(a, bank.support, False, logits.shape[1]), lam, pulled=out)
+            return measure(logits, GravityKernel._dense(a, bank.support, False, logits.shape[1]), lam, pulled=out)
         pruned = None
         if mask is not None:
             idx = bank.support[None].expand(logits.shape[0], -1)
@@ -760,3 +746,184 @@ def _to_device(ids: Sequence[int] | np.ndarray | torch.Tensor, device: torch.dev
     if isinstance(ids, torch.Tensor):
         return ids.to(device=device, dtype=torch.long, non_blocking=True)
     return torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(device, non_blocking=True)
+
+
+class _State(NamedTuple):
+    """The kernel's per-row device state a step reads (whole tables; the step picks its rows)."""
+
+    recent: torch.Tensor  # [capacity, L]
+    step: torch.Tensor  # [capacity]
+    stage: torch.Tensor  # [capacity]
+    said: torch.Tensor | None  # [capacity, V], when some row's repeat_weight is below 1
+    written: torch.Tensor  # [capacity, W]
+    budget: torch.Tensor  # [capacity]
+
+
+def _step(
+    bank: _Bank,
+    plan: _Plan,
+    logits: torch.Tensor,
+    rows: torch.Tensor | slice,
+    state: _State,
+    measure_step: bool,
+    inplace: bool,
+    bits: int | None,
+    workspace: Workspace | None = None,
+    measure_only: bool = False,
+    strength: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, StepResult]:
+    """One step of gravity, tensor work only (what :meth:`GravityKernel.apply` runs, eager or compiled)."""
+    out, lam, finite, measured = _step_tensors(
+        bank, plan, logits, rows, state, measure_step, inplace, bits, workspace, measure_only, strength
+    )
+    result = StepResult(strength=lam, finite=finite)
+    if measured is not None:
+        result.measurement = Measurement(*measured)
+    return out, result
+
+
+def _step_tensors(
+    bank: _Bank,
+    plan: _Plan,
+    logits: torch.Tensor,
+    rows: torch.Tensor | slice,
+    state: _State,
+    measure_step: bool,
+    inplace: bool,
+    bits: int | None,
+    workspace: Workspace | None,
+    measure_only: bool,
+    strength: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+    """:func:`_step` as tensors (the new logits, λ, the finite flag, the measurement's five columns): no host
+    decision over per-row values, no host read, so that ``torch.compile(fullgraph=True)`` takes it whole."""
+    b, vocab = logits.shape
+    frow = plan.first + state.stage[rows] if plan.staged else plan.first
+    support = bank.support
+    recent = state.recent[rows]
+    a = GravityKernel._field_rows(bank, frow, recent)  # [B, S]
+    if plan.repeat is not None and plan.said_index is not None:
+        said = state.said.view(-1).index_select(0, plan.said_index).view(b, -1)
+        a = torch.where(said & (a > 0), a * plan.repeat.to(a.dtype), a)
+    rs = plan.schedule
+    step = state.step[rows]
+    probs = entropy = finite = None
+    if measure_only:
+        lam = torch.zeros(b, dtype=torch.float32, device=logits.device)
+    elif strength is not None:
+        lam = strength(GravityKernel._dense(a, support, bank.dense, vocab)).to(logits.device, torch.float32)
+    else:
+        lam = None
+        if not rs.all_thermostat:
+            lam = scheduled_strength(step, rs).to(torch.float32)
+        if rs.any_thermostat:
+            probs, entropy = probabilities(logits, None if bank.dense else support, workspace=workspace)
+            columns = plan.columns if plan.columns is not None else bank.columns[frow]
+            prob = MassProblem(probs, entropy, a, bank.dense, plan.candidates, plan.row_candidates, columns)
+            on = bank.on_vocab[frow[:, None], recent.clamp(-1, vocab)]  # no token / outside: the False column
+            target = thermostat_target(step, rs, entropy, vocab, off_topic_share(on, step, rs))
+            budget = kl_budget_at(step, rs)
+            solved = prob.solve(
+                target,
+                rs.base32,
+                plan.iterations,
+                plan.row_iterations,
+                bits=bits,
+                workspace=workspace,
+                kl_budget=budget,
+            )
+            finite = prob.alive
+            lam = solved if lam is None else torch.where(rs.thermostat, solved, lam)
+    mask = None
+    if plan.threshold is not None:
+        on_support = a <= plan.threshold
+        if bank.dense:
+            mask = on_support
+        else:
+            mask = (plan.threshold >= 0).expand(b, vocab).clone()
+            mask[:, support] = on_support
+    sparse = None if bank.dense else support
+    # the measurement reads the unpulled logits, except where the thermostat's softmax already holds
+    # everything it needs (a field on a support, no pruning)
+    inplace = inplace and (not measure_step or (probs is not None and mask is None and not bank.dense))
+    out = logits if measure_only else apply_gravity(logits, a, lam.to(logits.dtype), mask, sparse, inplace=inplace)
+    if plan.require is not None and not measure_only:
+        tables = bank.require
+        written = state.written[rows, : tables.n_words]
+        pull_required(out, tables, plan.require, written, recent, step, state.budget[rows])
+    measured = None
+    if measure_step or measure_only:
+        m = GravityKernel._measure(logits, out, a, lam, mask, bank, probs, entropy, plan)
+        measured = (m.entropy, m.mass, m.mass_after, m.kl, m.strength)
+    return out, lam, finite, measured
+
+
+COMPILE_ENV = "NARRATIVE_GRAVITY_COMPILE"
+"""The environment variable that picks the step's mode when ``compile`` is not given (one of :data:`COMPILE_MODES`)."""
+
+COMPILE_MODES = ("off", "default", "reduce-overhead")
+"""``off``: the eager step (the default); ``default``: ``torch.compile(fullgraph=True)``, the batch size
+dynamic; ``reduce-overhead``: the same, replayed as CUDA graphs on CUDA (on the CPU it is ``default``)."""
+
+
+def compile_mode(mode: str | bool | None) -> str:
+    """The step's mode: ``mode`` (``True`` = ``default``, ``False`` = ``off``), else :data:`COMPILE_ENV`, else ``off``.
+
+    >>> compile_mode(None), compile_mode(True), compile_mode("reduce-overhead")
+    ('off', 'default', 'reduce-overhead')
+    """
+    if mode is None:
+        mode = os.environ.get(COMPILE_ENV, "off").strip() or "off"
+        source = f"${COMPILE_ENV}"
+    else:
+        source = "`compile`"
+    if mode is True or mode in ("1", "on", "true"):
+        return "default"
+    if mode is False or mode in ("0", "false"):
+        return "off"
+    if mode not in COMPILE_MODES:
+        raise ConfigurationError(f"{source} has to be one of {', '.join(COMPILE_MODES)}, but is {mode!r}")
+    return str(mode)
+
+
+_COMPILED: dict[str, Callable[..., tuple[torch.Tensor, StepResult]]] = {}
+
+
+def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, StepResult]]:
+    """:func:`_step` under ``torch.compile(fullgraph=True, dynamic=True)``, one per mode for the process.
+
+    Every size is symbolic (the batch, the support, the history), so rows joining or leaving and programs
+    coming and going reuse the compiled code; a batch of one row is compiled once more (torch specializes
+    sizes 0 and 1). A profile is data: its fields and schedules are tensors, and only the step's structure
+    (which rules run: thermostat or not, pruning, stages, required words, the solver's sizes) selects a graph.
+    ``reduce-overhead`` replays the step as CUDA graphs on CUDA devices (inductor's ``mode="reduce-overhead"``).
+    """
+    fn = _COMPILED.get(mode)
+    if fn is None:
+        step = torch.compile(
+            _step_tensors,
+            fullgraph=True,
+            dynamic=True,
+            mode="reduce-overhead" if mode == "reduce-overhead" else None,
+        )
+
+        def fn(
+            bank: _Bank,
+            plan: _Plan,
+            logits: torch.Tensor,
+            rows: torch.Tensor,
+            state: _State,
+            measure_step: bool,
+            inplace: bool,
+            bits: int,
+        ) -> tuple[torch.Tensor, StepResult]:
+            out, lam, finite, measured = step(
+                bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None
+            )
+            result = StepResult(strength=lam, finite=finite)
+            if measured is not None:
+                result.measurement = Measurement(*measured)
+            return out, result
+
+        _COMPILED[mode] = fn
+    return fn

@@ -224,9 +224,11 @@ def off_topic_share(on: torch.Tensor, step: torch.Tensor, rs: RowSchedule) -> to
     """
     width = on.shape[1]
     key = (width, on.device)
-    pos = _POSITIONS.get(key)
+    pos = None if torch.compiler.is_compiling() else _POSITIONS.get(key)  # compiled: an iota, no cache
     if pos is None:  # each position's distance from the newest token, plus one
-        pos = _POSITIONS[key] = torch.arange(width, 0, -1, device=on.device, dtype=torch.float32)
+        pos = torch.arange(width, 0, -1, device=on.device, dtype=torch.float32)
+        if not torch.compiler.is_compiling():
+            _POSITIONS[key] = pos
     k = torch.clamp(step.to(torch.float32) + rs.window_reach, max=rs.window)
     on_in = (on & (pos <= k[:, None])).sum(dim=-1)
     return (k - on_in) / rs.window

@@ -143,11 +143,14 @@ class MassProblem:
             unit = lam_max * 0.5**done_bits
             lam = torch.addcmul(lo[:, None], unit[:, None], _steps(2**n, dtype, lo.device))  # [R, g]
             lam_a = lam[:, :, None].float()
-            if workspace is None:
-                grid = torch.exp(lam_a * a)
-            else:  # the same numbers, in a kept buffer
-                grid = torch.mul(lam_a, a, out=workspace.shaped("solver", (r, 2**n, k), a.device)).exp_()
-            s = torch.bmm(grid, weights)  # [R, g, 1 or 3]
+            if torch.compiler.is_compiling():  # one fused reduction: no [R, g, K] grid is written
+                s = (torch.exp(lam_a * a)[..., None] * weights[:, None]).sum(-2)  # [R, g, 1 or 3]
+            else:
+                if workspace is None:
+                    grid = torch.exp(lam_a * a)
+                else:  # the same numbers, in a kept buffer
+                    grid = torch.mul(lam_a, a, out=workspace.shaped("solver", (r, 2**n, k), a.device)).exp_()
+                s = torch.bmm(grid, weights)  # [R, g, 1 or 3]
             short = s[..., 0] < floor  # [R, g]
             if kl_budget is not None:
                 z = (s[..., 1] + z_outside).clamp_min(1e-30)
@@ -193,6 +196,8 @@ _STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 def _steps(g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[1, 2, …, g]`` (cached)."""
+    if torch.compiler.is_compiling():  # an iota inside the compiled step, no cache
+        return torch.arange(1, g + 1, dtype=dtype, device=device)
     key = (g, dtype, device)
     steps = _STEPS.get(key)
     if steps is None:

@@ -143,7 +143,7 @@ def block_rows(logits: torch.Tensor) -> int:
     """How many rows of ``logits [R, V]`` one block of the whole-vocabulary pass takes: all of them off the CPU
     (one kernel launch each), else :data:`CPU_BLOCK_BYTES` per torch thread (at least a row per thread)."""
     r, v = logits.shape
-    if logits.device.type != "cpu":
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():  # compiled: inductor fuses the pass
         return max(r, 1)
     per_thread = max(1, CPU_BLOCK_BYTES // max(4 * v, 1))
     return max(1, min(r, per_thread * torch.get_num_threads()))
