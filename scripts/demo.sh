@@ -4,7 +4,9 @@
 # default (profiles/topic.yaml). The result leads with measures the pull does not define: held-out space words
 # that the profile does not name, and similarity to a description it was not built from, each with a paired
 # interval over the seeds; then the texts, the metrics table and a trace plot. Extra arguments go to
-# `ngrav compare` (the article's binary-search example: --profile profiles/binary_search.json --prompt ...).
+# `ngrav compare` (e.g. --seeds 20). The article's binary-search example, after this script has set up .venv:
+#   .venv/bin/ngrav compare --profile profiles/binary_search.json --prompt "Write a binary search in Java." \
+#     --held-out sorted,middle,half,index
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
