@@ -254,3 +254,23 @@ def test_the_server_backend_reports_the_shortlist(tiny_backend: Any, list_file: 
     assert all(s.shortlist["size"] == plan.size and s.shortlist["audited_steps"] == s.new_tokens for s in stats)
     assert cut_summary(stats[0].shortlist["cut_masses"])["audited_steps"] == stats[0].new_tokens
     assert tiny_backend.model.get_output_embeddings().__class__ is torch.nn.Linear
+
+
+def test_a_frequency_list_ranks_what_the_model_samples(tiny_model: tuple[Any, Any], tmp_path: Any) -> None:
+    from narrative_gravity.engines.shortlist_build import FrequencyRun, build_frequency_list
+
+    model, tokenizer = tiny_model
+    run = FrequencyRun(prompts=6, new_tokens=5, batch_size=4, keep=50, seed=2)
+    seen: list[int] = []
+    freq = build_frequency_list(model, tokenizer, model_name="tiny", run=run, progress=seen.append)
+    assert seen == [4, 2] and freq.ids.size == 50 and len(set(freq.ids.tolist())) == 50
+    assert freq.meta["prompts"] == 6 and freq.meta["sampled_tokens"] > 0
+    assert (
+        0 < freq.counts.sum() <= freq.meta["sampled_tokens"]
+        and (freq.counts > 0).sum() <= freq.meta["distinct_sampled"]
+    )
+    assert freq.counts[0] > 0, "the best-ranked token is one the model sampled"
+    again = build_frequency_list(model, tokenizer, model_name="tiny", run=run)
+    assert np.array_equal(again.ids, freq.ids)  # seeded: the same list
+    loaded = load_frequency_list(freq.save(tmp_path / "l.json.gz"))
+    assert np.array_equal(loaded.ids, freq.ids)

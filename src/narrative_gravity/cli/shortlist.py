@@ -34,7 +34,7 @@ def build(
 
     Example: ngrav shortlist build --model ./my-model --out my-model.json.gz
     """
-    from ..engines.shortlist_build import build_frequency_list  # torch and transformers: not for --help
+    from ..engines.shortlist_build import FrequencyRun, build_frequency_list  # torch, transformers: not for --help
 
     check_output(out, "--out")
     m, tok = load(model)
@@ -43,8 +43,9 @@ def build(
         task = bar.add_task("sampling", total=prompts)
         freq = guarded(
             lambda: build_frequency_list(
-                m, tok, model_name=str(model or "smollm2"), prompts=prompts, new_tokens=new_tokens,
-                batch_size=batch_size, keep=keep, seed=seed, progress=lambda n: bar.advance(task, n),
+                m, tok, model_name=str(model or "smollm2"),
+                run=FrequencyRun(prompts=prompts, new_tokens=new_tokens, batch_size=batch_size, keep=keep, seed=seed),
+                progress=lambda n: bar.advance(task, n),
             )
         )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from .options import GenerationOptions
 from .prompts import encode_prompts, eos_token_ids, generated_length
 from .shortlist import FrequencyList, tokenizer_fingerprint
 
-__all__ = ["TEMPLATES", "broad_prompts", "build_frequency_list"]
+__all__ = ["TEMPLATES", "FrequencyRun", "broad_prompts", "build_frequency_list"]
 
 TEMPLATES = (
     "Once upon a time, {s}",
@@ -97,24 +98,41 @@ class _Counter(LogitsProcessor):
         return scores
 
 
+@dataclass(frozen=True)
+class FrequencyRun:
+    """How a frequency list is sampled: ``new_tokens`` after each of ``prompts`` :func:`broad_prompts`, in
+    batches of ``batch_size``, seeded with ``seed``; the ``keep`` best-ranked tokens are kept.
+
+    >>> FrequencyRun(prompts=8).replace(seed=3)
+    FrequencyRun(prompts=8, new_tokens=40, batch_size=16, keep=65536, seed=3)
+    """
+
+    prompts: int = 256
+    new_tokens: int = 40
+    batch_size: int = 16
+    keep: int = 65536
+    seed: int = 0
+
+    def replace(self, **changes: int) -> FrequencyRun:
+        return replace(self, **changes)
+
+
 def build_frequency_list(
     model: Any,
     tokenizer: Any,
     *,
     model_name: str,
-    prompts: int = 256,
-    new_tokens: int = 40,
-    batch_size: int = 16,
-    keep: int = 65536,
-    seed: int = 0,
+    run: FrequencyRun = FrequencyRun(),  # frozen: one shared default is safe
     progress: Callable[[int], None] | None = None,
 ) -> FrequencyList:
-    """Sample ``new_tokens`` from ``model`` after each of ``prompts`` :func:`broad_prompts` and rank the tokens.
+    """Sample ``run.new_tokens`` from ``model`` after each of ``run.prompts`` :func:`broad_prompts` and rank the
+    tokens.
 
     The rank is the sampled count plus the expected count (both sum to the tokens generated), so the tokens the
-    model samples most come first and the rest follow by the probability the model gave them. The ``keep`` best
-    are kept (at most the vocabulary).
+    model samples most come first and the rest follow by the probability the model gave them. The ``run.keep``
+    best are kept (at most the vocabulary).
     """
+    prompts, new_tokens, batch_size, keep, seed = run.prompts, run.new_tokens, run.batch_size, run.keep, run.seed
     vocab = int(model.get_output_embeddings().weight.shape[0])
     eos = eos_token_ids(model, tokenizer)
     texts = broad_prompts(prompts, seed=seed)

@@ -545,7 +545,11 @@ class GravityKernel:
             if isinstance(rows, slice):
                 rows = self._row_ids(b)
             return compiled(bank, plan, logits, rows, state, measure_step, inplace, self._bits)
-        return _step(bank, plan, logits, rows, state, measure_step, inplace, None, self._work, measure_only, strength)
+        return _result(
+            *_step_tensors(
+                bank, plan, logits, rows, state, measure_step, inplace, None, self._work, measure_only, strength
+            )
+        )
 
     def _compiled_step(
         self, strength: Callable[[torch.Tensor], torch.Tensor] | None, measure_only: bool
@@ -759,23 +763,10 @@ class _State(NamedTuple):
     budget: torch.Tensor  # [capacity]
 
 
-def _step(
-    bank: _Bank,
-    plan: _Plan,
-    logits: torch.Tensor,
-    rows: torch.Tensor | slice,
-    state: _State,
-    measure_step: bool,
-    inplace: bool,
-    bits: int | None,
-    workspace: Workspace | None = None,
-    measure_only: bool = False,
-    strength: Callable[[torch.Tensor], torch.Tensor] | None = None,
+def _result(
+    out: torch.Tensor, lam: torch.Tensor, finite: torch.Tensor | None, measured: tuple[torch.Tensor, ...] | None
 ) -> tuple[torch.Tensor, StepResult]:
-    """One step of gravity, tensor work only (what :meth:`GravityKernel.apply` runs, eager or compiled)."""
-    out, lam, finite, measured = _step_tensors(
-        bank, plan, logits, rows, state, measure_step, inplace, bits, workspace, measure_only, strength
-    )
+    """The new logits and the :class:`StepResult` of :func:`_step_tensors`' tensors."""
     result = StepResult(strength=lam, finite=finite)
     if measured is not None:
         result.measurement = Measurement(*measured)
@@ -795,8 +786,9 @@ def _step_tensors(
     measure_only: bool,
     strength: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-    """:func:`_step` as tensors (the new logits, λ, the finite flag, the measurement's five columns): no host
-    decision over per-row values, no host read, so that ``torch.compile(fullgraph=True)`` takes it whole."""
+    """One step of gravity as tensors (what :meth:`GravityKernel.apply` runs, eager or compiled): the new logits,
+    λ, the finite flag and the measurement's five columns. No host decision over per-row values and no host read,
+    so that ``torch.compile(fullgraph=True)`` takes it whole."""
     b, vocab = logits.shape
     frow = plan.first + state.stage[rows] if plan.staged else plan.first
     support = bank.support
@@ -890,7 +882,7 @@ _COMPILED: dict[str, Callable[..., tuple[torch.Tensor, StepResult]]] = {}
 
 
 def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, StepResult]]:
-    """:func:`_step` under ``torch.compile(fullgraph=True, dynamic=True)``, one per mode for the process.
+    """:func:`_step_tensors` under ``torch.compile(fullgraph=True, dynamic=True)``, one per mode for the process.
 
     Every size is symbolic (the batch, the support, the history), so rows joining or leaving and programs
     coming and going reuse the compiled code; a batch of one row is compiled once more (torch specializes
@@ -917,13 +909,7 @@ def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, St
             inplace: bool,
             bits: int,
         ) -> tuple[torch.Tensor, StepResult]:
-            out, lam, finite, measured = step(
-                bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None
-            )
-            result = StepResult(strength=lam, finite=finite)
-            if measured is not None:
-                result.measurement = Measurement(*measured)
-            return out, result
+            return _result(*step(bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None))
 
         _COMPILED[mode] = fn
     return fn
