@@ -14,12 +14,16 @@ from rich.markup import escape
 
 from ..engines.options import GenerationOptions, check_engine
 from .common import (
+    DEFAULT_MAX_NEW_TOKENS,
+    FLAG,
     EngineOpt,
+    JsonAliasOpt,
     MaxNewOpt,
     ModelOpt,
     RawOpt,
     SeedOpt,
     TopKOpt,
+    alias,
     check_encoder,
     check_model,
     check_output,
@@ -54,14 +58,17 @@ def answer(
         Path | None, typer.Option("--profile", help="profile: gravity, and the levels it switches on")
     ] = None,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 64,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     top_k: TopKOpt = 10,
     temperature: Annotated[
         float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy decoding (default)")
     ] = 0.0,
     seed: SeedOpt = 0,
     engine: EngineOpt = "hf",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save the answer and the report as JSON")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", help="save the answer and the report as JSON (a file)")
+    ] = None,
+    output_alias: JsonAliasOpt = None,
 ) -> None:
     """Answer one request with every level the profile switches on: passages pruned (`context:`), earlier
     turns remembered (`conversation:`), a plan (`plan:`), then decoding with gravity; print what each did.
@@ -76,7 +83,8 @@ def answer(
     guarded(lambda: check_engine(engine))
     if (question is None) == (messages is None):
         fail("give --question TEXT or --messages FILE (one of them)")
-    check_output(json_out, "--json")
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
     if messages is not None:
         try:
             turns = json.loads(read_text(messages, "--messages"))
@@ -167,7 +175,9 @@ def _report_lines(report: dict[str, Any]) -> list[str]:
 @app.command("prune-context")
 def prune_context_command(
     question: Annotated[str, typer.Option("--question", help="the question the context must answer")],
-    chunks: Annotated[Path, typer.Option("--chunks", help='JSONL, one chunk per line: {"text": ..., "id": ...}')],
+    documents: Annotated[
+        Path | None, typer.Option("--documents", help='retrieved passages: JSONL, one {"text", "id"} per line')
+    ] = None,
     budget: Annotated[
         int | None, typer.Option("--budget", min=0, help="most chunk tokens to keep (default: no budget)")
     ] = None,
@@ -179,11 +189,16 @@ def prune_context_command(
         str, typer.Option("--encoder", help="minilm (default) or hashing (word overlap only)")
     ] = "minilm",
     count: Annotated[str, typer.Option("--count", help="tokens (the model's tokenizer) or words")] = "tokens",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save every decision as JSON")] = None,
+    output: Annotated[Path | None, typer.Option("--output", help="save every decision as JSON (a file)")] = None,
+    output_alias: JsonAliasOpt = None,
+    documents_alias: Annotated[
+        Path | None, typer.Option("--chunks", hidden=True, help="old spelling of --documents")
+    ] = None,
 ) -> None:
     """Score, cluster and trim retrieved chunks for a question; print what was kept and dropped, and why.
 
-    Example: ngrav prune-context --question "How did telescopes change astronomy?" --chunks chunks.jsonl --budget 400
+    Example: ngrav prune-context --question "How did telescopes change astronomy?" --documents passages.jsonl \\
+    --budget 400
     """
     from ..levels import context, ranking  # torch and MiniLM: not for --help
 
@@ -191,8 +206,12 @@ def prune_context_command(
     enc = ranking.hashing_encoder() if encoder == "hashing" else None
     if count not in ("tokens", "words"):
         fail(f"--count must be tokens or words, got {count!r}")
-    check_output(json_out, "--json")
-    rows = read_jsonl(chunks, "--chunks", "text")
+    chunks = alias("--chunks", "--documents", documents, documents_alias)
+    if chunks is None:
+        fail("give --documents FILE: the retrieved passages, JSONL with a `text` field per line")
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
+    rows = read_jsonl(chunks, "--documents", "text")
     prof = read_profile(profile) if profile is not None else None
     tok = None
     if count == "tokens":
@@ -220,7 +239,12 @@ def plan(
     drafts: Annotated[int, typer.Option("--drafts", min=1, help="outline drafts to sample (one batch)")] = 2,
     sections: Annotated[int, typer.Option("--sections", min=1, help="sections per outline")] = 3,
     outline_tokens: Annotated[int, typer.Option("--outline-tokens", min=1, help="token budget per draft")] = 28,
-    max_new_tokens: MaxNewOpt = 128,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-new-tokens", min=1, help="token budget of the whole text (128, not 80: it holds several sections)"
+        ),
+    ] = 128,
     strength: Annotated[
         float | None,
         typer.Option("--strength", min=0.0, help="λ_max of the thermostat (4.25), or λ with --schedule constant (3)"),
@@ -229,7 +253,10 @@ def plan(
         str, typer.Option("--schedule", help="thermostat (the topic default) or constant")
     ] = "thermostat",
     semantic: Annotated[
-        bool, typer.Option("--semantic/--no-semantic", help="keep the prompt's semantic field under every stage")
+        bool,
+        typer.Option(
+            "--semantic/--no-semantic", metavar=FLAG, help="keep the prompt's semantic field under every stage"
+        ),
     ] = True,
     openings: Annotated[
         int, typer.Option("--openings", min=1, help="write from the best of K openings (1 = one text)")
@@ -240,7 +267,10 @@ def plan(
     encoder: Annotated[
         str, typer.Option("--encoder", help="scores the drafts: minilm (default) or hashing (word overlap only)")
     ] = "minilm",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save the plan, drafts and text as JSON")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", help="save the plan, drafts and text as JSON (a file)")
+    ] = None,
+    output_alias: JsonAliasOpt = None,
 ) -> None:
     """Plan-then-write: draft outlines, keep the best, and write along its sections with a staged field.
 
@@ -260,7 +290,8 @@ def plan(
     )  # fmt: skip
     options = guarded(lambda: GenerationOptions(max_new_tokens, seed=seed, raw=True if raw else None))
     prof = read_profile(profile) if profile is not None else None
-    check_output(json_out, "--json")
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
     m, tok = load(model)
     console = Console()
     with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
@@ -287,7 +318,7 @@ def plan(
 def chat(
     profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 96,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     decay: Annotated[
         float, typer.Option("--decay", min=0.0, max=0.99, help="how much topic memory survives a turn")
     ] = 0.5,
