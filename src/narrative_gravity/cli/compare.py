@@ -16,6 +16,7 @@ from ..engines.options import GenerationOptions
 from ..profiles.schema import Profile
 from .common import (
     DEFAULT_MAX_NEW_TOKENS,
+    DeviceOpt,
     JsonAliasOpt,
     MaxNewOpt,
     ModelOpt,
@@ -48,6 +49,7 @@ def compare(
     temperature: TempOpt = 1.0,
     plot: Annotated[Path | None, typer.Option("--plot", help="save a PNG of the thermometer traces")] = None,
     output: OutputOpt = None,
+    device: DeviceOpt = "cpu",
     show: Annotated[int, typer.Option("--show", min=0, help="how many seed pairs to print side by side")] = 2,
     held_out: Annotated[
         str | None,
@@ -79,11 +81,11 @@ def compare(
     check_output(plot, "--plot")
     json_out = alias("--json", "--output", output, output_alias)
     check_output(json_out, "--output")
-    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw))
+    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, device=device))
     words = tuple(w.strip() for w in (held_out or "").split(",") if w.strip())
     scoring = compare_scoring(words, description if description is not None else prof.description)
     guarded(lambda: scoring.check(prof))
-    m, tok = load(model)
+    m, tok = load(model, device)
     report = _Report(seeds=samples, show=show, plot=plot, json_out=json_out, scoring=scoring)
     guarded(lambda: _run(m, tok, prof, prompt, options, report))
 

@@ -16,6 +16,7 @@ from ..engines.options import GenerationOptions, check_engine
 from .common import (
     DEFAULT_MAX_NEW_TOKENS,
     FLAG,
+    DeviceOpt,
     EngineOpt,
     JsonAliasOpt,
     MaxNewOpt,
@@ -65,6 +66,7 @@ def answer(
     ] = 0.0,
     seed: SeedOpt = 0,
     engine: EngineOpt = "hf",
+    device: DeviceOpt = "cpu",
     output: Annotated[
         Path | None, typer.Option("--output", help="save the answer and the report as JSON (a file)")
     ] = None,
@@ -98,12 +100,16 @@ def answer(
         turns = [{"role": "user", "content": question}]
     docs = None if documents is None else read_jsonl(documents, "--documents", None)
     prof = read_profile(profile) if profile is not None else None
-    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, seed=seed, engine=engine))
+    options = guarded(
+        lambda: GenerationOptions(max_new_tokens, top_k, temperature, seed=seed, engine=engine, device=device)
+    )
+    if engine == "vllm" and device != "cpu":
+        fail("--device is for the transformers engine; vLLM places the model on its own device")
     kwargs: dict[str, Any] = {}
     if engine == "vllm":  # one request at a time, up to the model's whole context
         kwargs["vllm"] = load_vllm(model, ["x"], GenerationOptions(max_new_tokens=4096, batch_size=2, raw=True))
     else:
-        kwargs["model"], kwargs["tokenizer"] = load(model)
+        kwargs["model"], kwargs["tokenizer"] = load(model, device)
     res = guarded(lambda: run_answer(turns, documents=docs, profile=prof, options=options, **kwargs))
     console = Console()
     console.print(res.text)
@@ -264,6 +270,7 @@ def plan(
     opening_tokens: Annotated[int, typer.Option("--opening-tokens", min=1, help="tokens per opening")] = 24,
     raw: RawOpt = False,
     seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
     encoder: Annotated[
         str, typer.Option("--encoder", help="scores the drafts: minilm (default) or hashing (word overlap only)")
     ] = "minilm",
@@ -288,11 +295,11 @@ def plan(
             semantic=semantic, openings=openings, opening_tokens=opening_tokens,
         )
     )  # fmt: skip
-    options = guarded(lambda: GenerationOptions(max_new_tokens, seed=seed, raw=True if raw else None))
+    options = guarded(lambda: GenerationOptions(max_new_tokens, seed=seed, raw=True if raw else None, device=device))
     prof = read_profile(profile) if profile is not None else None
     json_out = alias("--json", "--output", output, output_alias)
     check_output(json_out, "--output")
-    m, tok = load(model)
+    m, tok = load(model, device)
     console = Console()
     with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
         res = guarded(
@@ -322,6 +329,7 @@ def chat(
     decay: Annotated[
         float, typer.Option("--decay", min=0.0, max=0.99, help="how much topic memory survives a turn")
     ] = 0.5,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Chat with topic memory: each turn's topic is decayed into the next turn's field. Empty line or EOF ends.
 
@@ -329,9 +337,9 @@ def chat(
     """
     from ..levels.memory import CHAT_OPTIONS, Conversation, TopicMemory  # torch: not for --help
 
+    options = guarded(lambda: CHAT_OPTIONS.replace(max_new_tokens=max_new_tokens, device=device))
     prof = read_profile(profile) if profile is not None else None
-    m, tok = load(model)
-    options = CHAT_OPTIONS.replace(max_new_tokens=max_new_tokens)
+    m, tok = load(model, device)
     conv = Conversation(m, tok, profile=prof, memory=TopicMemory(decay=decay), options=options)
     console = Console()
     stdin = getattr(sys.stdin, "buffer", None)
