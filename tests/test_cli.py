@@ -119,7 +119,7 @@ def test_prompts_that_are_not_utf8_or_a_folder(tmp_path, prompts):
             needle,
         )
     _one_line_error(
-        runner.invoke(app, ["prune-context", "--question", "q", "--chunks", str(chunks), "--count", "words"]),
+        runner.invoke(app, ["prune-context", "--question", "q", "--documents", str(chunks), "--count", "words"]),
         "not UTF-8",
     )
 

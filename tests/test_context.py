@@ -227,7 +227,7 @@ def test_cli_prune_context_prints_the_table(tmp_path):
             "prune-context",
             "--question",
             "What is the orbit of a planet?",
-            "--chunks",
+            "--documents",
             str(path),
             "--budget",
             "30",
@@ -235,7 +235,7 @@ def test_cli_prune_context_prints_the_table(tmp_path):
             "hashing",
             "--count",
             "words",
-            "--json",
+            "--output",
             str(out),
         ],
     )
@@ -250,7 +250,7 @@ def test_cli_prune_context_rejects_a_bad_file(tmp_path):
     path = tmp_path / "chunks.jsonl"
     path.write_text('{"no_text": 1}\n')
     res = CliRunner().invoke(
-        app, ["prune-context", "--question", "q", "--chunks", str(path), "--encoder", "hashing", "--count", "words"]
+        app, ["prune-context", "--question", "q", "--documents", str(path), "--encoder", "hashing", "--count", "words"]
     )
     assert res.exit_code == 2
     assert "text" in res.output

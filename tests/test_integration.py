@@ -146,8 +146,8 @@ def test_cli_compare_prints_table_and_plot(smollm2, tmp_path):
     from narrative_gravity.cli.main import app
 
     plot, js = tmp_path / "t.png", tmp_path / "c.json"
-    args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "2", "--max-new-tokens", "12",
-            "--plot", str(plot), "--json", str(js), "--held-out", "sorted,index", "--description", "code that searches"]  # fmt: skip
+    args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--samples", "2", "--max-new-tokens", "12",
+            "--plot", str(plot), "--output", str(js), "--held-out", "sorted,index", "--description", "code that searches"]  # fmt: skip
     res = CliRunner().invoke(app, args, env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.output
     head = res.output.index("held-out words (independent of the pull): control")
@@ -155,7 +155,7 @@ def test_cli_compare_prints_table_and_plot(smollm2, tmp_path):
     assert head < res.output.index("prompt: ")  # the independent measure leads, before the texts
     for label in ("narrative-token rate", "penalized-word hits", "distinct-2", "mean entropy", "mean KL", "tokens/s"):
         assert label in res.output
-    bad_args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--seeds", "1", "--held-out", "array"]
+    bad_args = ["compare", "--profile", PROFILE_PATH, "--prompt", PROMPT, "--samples", "1", "--held-out", "array"]
     bad = CliRunner().invoke(app, bad_args, env={"COLUMNS": "160"})
     assert bad.exit_code != 0 and "held-out word 'array'" in bad.output  # the profile names it
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -187,7 +187,7 @@ def test_ngrav_answer_prints_what_each_level_did(tmp_path: Path) -> None:
     res = runner.invoke(
         app,
         ["answer", "--question", QUESTION, "--documents", str(docs), "--profile", str(prof), "--max-new-tokens", "6",
-         "--json", str(out)],
+         "--output", str(out)],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "context: kept" in res.output and "dropped bread" in res.output

@@ -491,7 +491,7 @@ def test_cli_plan_prints_the_drafts_stages_and_text(tiny_model, tmp_path):
     tok.save_pretrained(model_dir)
     out = tmp_path / "plan.json"
     args = ["plan", "--prompt", "the planet and its orbit", "--model", str(model_dir), "--drafts", "3"]
-    args += ["--outline-tokens", "10", "--max-new-tokens", "8", "--encoder", "hashing", "--json", str(out)]
+    args += ["--outline-tokens", "10", "--max-new-tokens", "8", "--encoder", "hashing", "--output", str(out)]
     args += ["--no-semantic", "--openings", "2", "--opening-tokens", "3"]  # the semantic base is tested above
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output

@@ -330,7 +330,7 @@ def test_cli_report_reads_the_store_and_prints_a_table_or_json(store):
     res = cli(store, "report", "space")
     assert res.exit_code == 0, res.output
     assert "split:b@4" in res.output and "95% bootstrap interval" in res.output and "narrative mass" in res.output
-    res = cli(store, "report", "space", "--json")
+    res = cli(store, "report", "space", "--format", "json")
     body = json.loads(res.output)
     assert body["live"] == 1 and body["comparisons"][0]["kind"] == "unpaired"
     res = cli(store, "report", "spcae")

@@ -157,7 +157,7 @@ def test_a_shadow_runs_is_recorded_and_not_returned(server: RunningServer, store
         assert paired and paired[0]["name"] == "live@1 − shadow@1" and paired[0]["pairs"] >= 2
         kl = paired[0]["metrics"]["kl"]
         assert kl["difference"] > 0 and kl["low"] <= kl["difference"] <= kl["high"]
-        res = runner.invoke(cli_app, ["profile", "report", "shadowed", "--server", server.url, "--json"])
+        res = runner.invoke(cli_app, ["profile", "report", "shadowed", "--server", server.url, "--format", "json"])
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["comparisons"][0]["pairs"] == paired[0]["pairs"]
 
@@ -290,7 +290,7 @@ def test_a_regressing_version_is_refused_and_the_live_version_keeps_serving(
     # a harmless candidate passes the same gate and goes live
     with server.http() as http:
         http.post("/v1/profiles/canary/stage", json={"profile": {**live, "gravity_strength": 1.1}}).raise_for_status()
-    res = runner.invoke(cli_app, [*args, "--limit", "distinct_2:0.1", "--json"])
+    res = runner.invoke(cli_app, [*args, "--limit", "distinct_2:0.1", "--format", "json"])
     assert res.exit_code == 0, res.output
     body = json.loads(res.stdout[res.stdout.index("{") :])
     assert body["promoted"] and body["candidate"] == 3 and body["checks"][0]["passed"]

@@ -33,14 +33,21 @@ from ..profiles.schema import Profile, load_profile
 from ..text import unencodable
 
 __all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DEVICE_HELP",
+    "FLAG",
+    "MODEL_HELP",
     "DeviceOpt",
     "EngineOpt",
+    "JsonAliasOpt",
     "MaxNewOpt",
     "ModelOpt",
+    "OutputOpt",
     "RawOpt",
     "SeedOpt",
     "TempOpt",
     "TopKOpt",
+    "alias",
     "check_encoder",
     "check_model",
     "check_output",
@@ -53,6 +60,7 @@ __all__ = [
     "read_profile",
     "read_prompts",
     "read_text",
+    "renamed",
     "set_debug",
     "tokenizer",
     "vllm_engine",
@@ -91,20 +99,55 @@ def finite(value: float | None) -> float | None:
     return value
 
 
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", help="smollm2 (default), gemma3-270m, a HF folder or a .gguf file")
-]
-RawOpt = Annotated[bool, typer.Option("--raw", help="plain continuation, no chat template")]
+FLAG = ""
+"""The metavar of a switch: ``typer.Option("--trace", metavar=FLAG)`` shows no ``<bool>``, as it takes no value."""
+
+DEFAULT_MAX_NEW_TOKENS = 80
+"""``--max-new-tokens`` where a command writes one free text (generate, compare, answer, chat); eval and promote keep
+the benchmark protocol's 60 and plan its longer 128 (several sections), each saying so in its help."""
+
+
+def alias(old: str, new: str, value: T | None, given: T | None, *, unset: object = None) -> T | None:
+    """The value of ``new`` given either as ``new`` or as its hidden old spelling ``old`` (kept for one release);
+    both at once is an error naming the two."""
+    if given is None or given == unset:
+        return value
+    if value is not None and value != unset:
+        fail(f"{old} is the old spelling of {new}; give {new} only")
+    return given
+
+
+def _renamed_callback(old: str, hint: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is not None and value is not False:
+            fail(f"{old} {hint}")
+        return value
+
+    return check
+
+
+def renamed(old: str, hint: str, *, switch: bool = False) -> Any:
+    """A hidden option kept only to end an old command line with one error line naming the new flag, where the old
+    spelling cannot stay an alias (it means something else on another command). Its help starts ``renamed:``."""
+    return typer.Option(
+        old, hidden=True, is_flag=switch, callback=_renamed_callback(old, hint), help=f"renamed: {old} {hint}"
+    )
+
+
+MODEL_HELP = "smollm2 (default), gemma3-270m, a HF folder or a .gguf file"
+DEVICE_HELP = "transformers engine: cpu, cuda, cuda:N, mps or auto (CUDA, MPS, else CPU)"
+ModelOpt = Annotated[str | None, typer.Option("--model", help=MODEL_HELP)]
+RawOpt = Annotated[bool, typer.Option("--raw", metavar=FLAG, help="plain continuation, no chat template")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
+OutputOpt = Annotated[Path | None, typer.Option("--output", help="save every text and metric as JSON (a file)")]
+JsonAliasOpt = Annotated[Path | None, typer.Option("--json", hidden=True, help="old spelling of --output")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
 TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy decoding")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
 EngineOpt = Annotated[
     str, typer.Option("--engine", help="hf (transformers, default) or vllm (in-process vLLM, from .venv-vllm)")
 ]
-DeviceOpt = Annotated[
-    str, typer.Option("--device", help="transformers engine: cpu, cuda, cuda:N, mps or auto (CUDA, MPS, else CPU)")
-]
+DeviceOpt = Annotated[str, typer.Option("--device", help=DEVICE_HELP)]
 
 
 def read_text(path: Path, flag: str) -> str:

@@ -14,7 +14,23 @@ from rich.table import Table
 
 from ..engines.options import GenerationOptions
 from ..profiles.schema import Profile
-from .common import MaxNewOpt, ModelOpt, RawOpt, TempOpt, TopKOpt, check_output, guarded, load, read_profile
+from .common import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DeviceOpt,
+    JsonAliasOpt,
+    MaxNewOpt,
+    ModelOpt,
+    OutputOpt,
+    RawOpt,
+    TempOpt,
+    TopKOpt,
+    alias,
+    check_output,
+    guarded,
+    load,
+    read_profile,
+    renamed,
+)
 
 __all__ = ["app"]
 
@@ -25,14 +41,15 @@ app = typer.Typer(rich_markup_mode="rich")
 def compare(
     profile: Annotated[Path, typer.Option("--profile", help="profile file (.json/.yaml)")],
     prompt: Annotated[str, typer.Option("--prompt", help="the prompt to continue")],
-    seeds: Annotated[int, typer.Option("--seeds", min=1, help="number of seeds; control and gravity share each")] = 3,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="seeds 0..N-1; control and gravity share each")] = 3,
     raw: RawOpt = False,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 80,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     top_k: TopKOpt = 10,
     temperature: TempOpt = 1.0,
     plot: Annotated[Path | None, typer.Option("--plot", help="save a PNG of the thermometer traces")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="save every text and metric as JSON")] = None,
+    output: OutputOpt = None,
+    device: DeviceOpt = "cpu",
     show: Annotated[int, typer.Option("--show", min=0, help="how many seed pairs to print side by side")] = 2,
     held_out: Annotated[
         str | None,
@@ -48,23 +65,28 @@ def compare(
             help="a sentence describing the topic, scored by MiniLM similarity (default: the profile's `description`)",
         ),
     ] = None,
+    output_alias: JsonAliasOpt = None,
+    seeds_renamed: Annotated[
+        str | None, renamed("--seeds", "is now --samples N in compare (seeds 0..N-1); e.g. --samples 8")
+    ] = None,
 ) -> None:
     """Run control (no gravity) and gravity with the same seeds; print texts side by side and a metrics table.
 
     The table leads with measures independent of the pull (--held-out words, similarity to --description); the
     narrative-token rate follows, as what the pull pushes.
 
-    Example: ngrav compare --profile profiles/topic.yaml --prompt "Describe a place you like." --held-out moon,star
+    Example: ngrav compare --profile profiles/topic.yaml --prompt "Describe a place you like." --held-out moon,star --samples 8
     """
     prof = read_profile(profile)
     check_output(plot, "--plot")
-    check_output(json_out, "--json")
-    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw))
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
+    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, device=device))
     words = tuple(w.strip() for w in (held_out or "").split(",") if w.strip())
     scoring = compare_scoring(words, description if description is not None else prof.description)
     guarded(lambda: scoring.check(prof))
-    m, tok = load(model)
-    report = _Report(seeds=seeds, show=show, plot=plot, json_out=json_out, scoring=scoring)
+    m, tok = load(model, device)
+    report = _Report(seeds=samples, show=show, plot=plot, json_out=json_out, scoring=scoring)
     guarded(lambda: _run(m, tok, prof, prompt, options, report))
 
 

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from .common import (
+    FLAG,
     EngineOpt,
-    MaxNewOpt,
     ModelOpt,
     TempOpt,
     TopKOpt,
@@ -51,7 +51,9 @@ _SamplesOpt = Annotated[int | None, typer.Option("--samples", min=1, help="sampl
 _SeedsOpt = Annotated[str | None, typer.Option("--seeds", help="explicit seeds, e.g. 0,1,2 or 0-4")]
 _RawOpt = Annotated[
     bool | None,
-    typer.Option("--raw/--chat", help="plain continuation or chat template (default: --raw for topic sets)"),
+    typer.Option(
+        "--raw/--chat", metavar=FLAG, help="plain continuation or chat template (default: --raw for topic sets)"
+    ),
 ]
 _BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded)")]
 _JudgeOpt = Annotated[
@@ -64,7 +66,12 @@ _LimitPromptsOpt = Annotated[
 _AutoTemplateOpt = Annotated[
     str | None, typer.Option("--auto-template", help="profile whose settings `auto` profiles start from")
 ]
-_ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in --out; finished rows are kept")]
+_MaxNewOpt = Annotated[
+    int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt (60: the PPLM/FUDGE protocol)")
+]
+_ResumeOpt = Annotated[
+    bool, typer.Option("--resume", metavar=FLAG, help="continue the run in --out; finished rows are kept")
+]
 _ChatFrameOpt = Annotated[
     str | None,
     typer.Option(
@@ -73,7 +80,9 @@ _ChatFrameOpt = Annotated[
         "base models); default: the template where the model has one, else plain",
     ),
 ]
-_ReportOnlyOpt = Annotated[bool, typer.Option("--report-only", help="rebuild the reports of --out, generate nothing")]
+_ReportOnlyOpt = Annotated[
+    bool, typer.Option("--report-only", metavar=FLAG, help="rebuild the reports of --out, generate nothing")
+]
 
 
 @app.command("eval")
@@ -83,7 +92,7 @@ def eval_command(
     profile: _ProfileOpt = None,
     samples: _SamplesOpt = None,
     seeds: _SeedsOpt = None,
-    max_new_tokens: MaxNewOpt = 60,
+    max_new_tokens: _MaxNewOpt = 60,
     top_k: TopKOpt = 10,
     temperature: TempOpt = 1.0,
     raw: _RawOpt = None,

@@ -11,6 +11,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..engines.options import GenerationOptions
 from .common import (
+    DEFAULT_MAX_NEW_TOKENS,
+    FLAG,
     DeviceOpt,
     EngineOpt,
     MaxNewOpt,
@@ -38,17 +40,19 @@ def generate(
     prompts: Annotated[Path, typer.Option("--prompts", help="one prompt per line (.txt) or JSONL with `prompt`")],
     output: Annotated[Path, typer.Option("--output", help="where to write one JSON object per prompt")],
     profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
-    no_gravity: Annotated[bool, typer.Option("--no-gravity", help="plain decoding (control)")] = False,
+    no_gravity: Annotated[bool, typer.Option("--no-gravity", metavar=FLAG, help="plain decoding (control)")] = False,
     raw: RawOpt = False,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 64,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     top_k: TopKOpt = 10,
     temperature: TempOpt = 1.0,
     seed: SeedOpt = 0,
     batch_size: Annotated[
         int, typer.Option("--batch-size", min=1, help="prompts per batch (left-padded; on vLLM, requests at once)")
     ] = 8,
-    trace: Annotated[bool, typer.Option("--trace", help="record entropy, narrative mass, KL and λ")] = False,
+    trace: Annotated[
+        bool, typer.Option("--trace", metavar=FLAG, help="record entropy, narrative mass, KL and λ")
+    ] = False,
     engine: EngineOpt = "hf",
     device: DeviceOpt = "cpu",
 ) -> None:

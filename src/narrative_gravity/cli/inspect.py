@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..eval.topics import topic_wordlists
-from .common import ModelOpt, guarded, load, read_profile, read_text, tokenizer
+from .common import FLAG, ModelOpt, guarded, load, read_profile, read_text, tokenizer
 
 __all__ = ["app"]
 
@@ -54,7 +54,11 @@ def reach(
     wordlists: Annotated[list[Path] | None, typer.Argument(help="word list files, one word per line")] = None,
     topics: Annotated[
         bool,
-        typer.Option("--topics", help="also the topic protocol's 7 word lists (shipped, or $NARRATIVE_GRAVITY_BENCH)"),
+        typer.Option(
+            "--topics",
+            metavar=FLAG,
+            help="also the topic protocol's 7 word lists (shipped, or $NARRATIVE_GRAVITY_BENCH)",
+        ),
     ] = False,
     model: ModelOpt = None,
 ) -> None:

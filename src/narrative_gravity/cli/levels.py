@@ -14,12 +14,17 @@ from rich.markup import escape
 
 from ..engines.options import GenerationOptions, check_engine
 from .common import (
+    DEFAULT_MAX_NEW_TOKENS,
+    FLAG,
+    DeviceOpt,
     EngineOpt,
+    JsonAliasOpt,
     MaxNewOpt,
     ModelOpt,
     RawOpt,
     SeedOpt,
     TopKOpt,
+    alias,
     check_encoder,
     check_model,
     check_output,
@@ -54,14 +59,18 @@ def answer(
         Path | None, typer.Option("--profile", help="profile: gravity, and the levels it switches on")
     ] = None,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 64,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     top_k: TopKOpt = 10,
     temperature: Annotated[
         float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy decoding (default)")
     ] = 0.0,
     seed: SeedOpt = 0,
     engine: EngineOpt = "hf",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save the answer and the report as JSON")] = None,
+    device: DeviceOpt = "cpu",
+    output: Annotated[
+        Path | None, typer.Option("--output", help="save the answer and the report as JSON (a file)")
+    ] = None,
+    output_alias: JsonAliasOpt = None,
 ) -> None:
     """Answer one request with every level the profile switches on: passages pruned (`context:`), earlier
     turns remembered (`conversation:`), a plan (`plan:`), then decoding with gravity; print what each did.
@@ -76,7 +85,8 @@ def answer(
     guarded(lambda: check_engine(engine))
     if (question is None) == (messages is None):
         fail("give --question TEXT or --messages FILE (one of them)")
-    check_output(json_out, "--json")
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
     if messages is not None:
         try:
             turns = json.loads(read_text(messages, "--messages"))
@@ -90,12 +100,16 @@ def answer(
         turns = [{"role": "user", "content": question}]
     docs = None if documents is None else read_jsonl(documents, "--documents", None)
     prof = read_profile(profile) if profile is not None else None
-    options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, seed=seed, engine=engine))
+    options = guarded(
+        lambda: GenerationOptions(max_new_tokens, top_k, temperature, seed=seed, engine=engine, device=device)
+    )
+    if engine == "vllm" and device != "cpu":
+        fail("--device is for the transformers engine; vLLM places the model on its own device")
     kwargs: dict[str, Any] = {}
     if engine == "vllm":  # one request at a time, up to the model's whole context
         kwargs["vllm"] = load_vllm(model, ["x"], GenerationOptions(max_new_tokens=4096, batch_size=2, raw=True))
     else:
-        kwargs["model"], kwargs["tokenizer"] = load(model)
+        kwargs["model"], kwargs["tokenizer"] = load(model, device)
     res = guarded(lambda: run_answer(turns, documents=docs, profile=prof, options=options, **kwargs))
     console = Console()
     console.print(res.text)
@@ -167,7 +181,9 @@ def _report_lines(report: dict[str, Any]) -> list[str]:
 @app.command("prune-context")
 def prune_context_command(
     question: Annotated[str, typer.Option("--question", help="the question the context must answer")],
-    chunks: Annotated[Path, typer.Option("--chunks", help='JSONL, one chunk per line: {"text": ..., "id": ...}')],
+    documents: Annotated[
+        Path | None, typer.Option("--documents", help='retrieved passages: JSONL, one {"text", "id"} per line')
+    ] = None,
     budget: Annotated[
         int | None, typer.Option("--budget", min=0, help="most chunk tokens to keep (default: no budget)")
     ] = None,
@@ -179,11 +195,16 @@ def prune_context_command(
         str, typer.Option("--encoder", help="minilm (default) or hashing (word overlap only)")
     ] = "minilm",
     count: Annotated[str, typer.Option("--count", help="tokens (the model's tokenizer) or words")] = "tokens",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save every decision as JSON")] = None,
+    output: Annotated[Path | None, typer.Option("--output", help="save every decision as JSON (a file)")] = None,
+    output_alias: JsonAliasOpt = None,
+    documents_alias: Annotated[
+        Path | None, typer.Option("--chunks", hidden=True, help="old spelling of --documents")
+    ] = None,
 ) -> None:
     """Score, cluster and trim retrieved chunks for a question; print what was kept and dropped, and why.
 
-    Example: ngrav prune-context --question "How did telescopes change astronomy?" --chunks chunks.jsonl --budget 400
+    Example: ngrav prune-context --question "How did telescopes change astronomy?" --documents passages.jsonl \\
+    --budget 400
     """
     from ..levels import context, ranking  # torch and MiniLM: not for --help
 
@@ -191,8 +212,12 @@ def prune_context_command(
     enc = ranking.hashing_encoder() if encoder == "hashing" else None
     if count not in ("tokens", "words"):
         fail(f"--count must be tokens or words, got {count!r}")
-    check_output(json_out, "--json")
-    rows = read_jsonl(chunks, "--chunks", "text")
+    chunks = alias("--chunks", "--documents", documents, documents_alias)
+    if chunks is None:
+        fail("give --documents FILE: the retrieved passages, JSONL with a `text` field per line")
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
+    rows = read_jsonl(chunks, "--documents", "text")
     prof = read_profile(profile) if profile is not None else None
     tok = None
     if count == "tokens":
@@ -220,7 +245,12 @@ def plan(
     drafts: Annotated[int, typer.Option("--drafts", min=1, help="outline drafts to sample (one batch)")] = 2,
     sections: Annotated[int, typer.Option("--sections", min=1, help="sections per outline")] = 3,
     outline_tokens: Annotated[int, typer.Option("--outline-tokens", min=1, help="token budget per draft")] = 28,
-    max_new_tokens: MaxNewOpt = 128,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-new-tokens", min=1, help="token budget of the whole text (128, not 80: it holds several sections)"
+        ),
+    ] = 128,
     strength: Annotated[
         float | None,
         typer.Option("--strength", min=0.0, help="λ_max of the thermostat (4.25), or λ with --schedule constant (3)"),
@@ -229,7 +259,10 @@ def plan(
         str, typer.Option("--schedule", help="thermostat (the topic default) or constant")
     ] = "thermostat",
     semantic: Annotated[
-        bool, typer.Option("--semantic/--no-semantic", help="keep the prompt's semantic field under every stage")
+        bool,
+        typer.Option(
+            "--semantic/--no-semantic", metavar=FLAG, help="keep the prompt's semantic field under every stage"
+        ),
     ] = True,
     openings: Annotated[
         int, typer.Option("--openings", min=1, help="write from the best of K openings (1 = one text)")
@@ -237,10 +270,14 @@ def plan(
     opening_tokens: Annotated[int, typer.Option("--opening-tokens", min=1, help="tokens per opening")] = 24,
     raw: RawOpt = False,
     seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
     encoder: Annotated[
         str, typer.Option("--encoder", help="scores the drafts: minilm (default) or hashing (word overlap only)")
     ] = "minilm",
-    json_out: Annotated[Path | None, typer.Option("--json", help="save the plan, drafts and text as JSON")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", help="save the plan, drafts and text as JSON (a file)")
+    ] = None,
+    output_alias: JsonAliasOpt = None,
 ) -> None:
     """Plan-then-write: draft outlines, keep the best, and write along its sections with a staged field.
 
@@ -258,10 +295,11 @@ def plan(
             semantic=semantic, openings=openings, opening_tokens=opening_tokens,
         )
     )  # fmt: skip
-    options = guarded(lambda: GenerationOptions(max_new_tokens, seed=seed, raw=True if raw else None))
+    options = guarded(lambda: GenerationOptions(max_new_tokens, seed=seed, raw=True if raw else None, device=device))
     prof = read_profile(profile) if profile is not None else None
-    check_output(json_out, "--json")
-    m, tok = load(model)
+    json_out = alias("--json", "--output", output, output_alias)
+    check_output(json_out, "--output")
+    m, tok = load(model, device)
     console = Console()
     with Console(stderr=True).status(f"drafting {drafts} outlines and writing {max_new_tokens} tokens"):
         res = guarded(
@@ -287,10 +325,11 @@ def plan(
 def chat(
     profile: Annotated[Path | None, typer.Option("--profile", help="profile file (.json/.yaml)")] = None,
     model: ModelOpt = None,
-    max_new_tokens: MaxNewOpt = 96,
+    max_new_tokens: MaxNewOpt = DEFAULT_MAX_NEW_TOKENS,
     decay: Annotated[
         float, typer.Option("--decay", min=0.0, max=0.99, help="how much topic memory survives a turn")
     ] = 0.5,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Chat with topic memory: each turn's topic is decayed into the next turn's field. Empty line or EOF ends.
 
@@ -298,9 +337,9 @@ def chat(
     """
     from ..levels.memory import CHAT_OPTIONS, Conversation, TopicMemory  # torch: not for --help
 
+    options = guarded(lambda: CHAT_OPTIONS.replace(max_new_tokens=max_new_tokens, device=device))
     prof = read_profile(profile) if profile is not None else None
-    m, tok = load(model)
-    options = CHAT_OPTIONS.replace(max_new_tokens=max_new_tokens)
+    m, tok = load(model, device)
     conv = Conversation(m, tok, profile=prof, memory=TopicMemory(decay=decay), options=options)
     console = Console()
     stdin = getattr(sys.stdin, "buffer", None)

@@ -3,7 +3,7 @@
 Examples::
 
     ngrav compare --profile profiles/binary_search.json \\
-        --prompt "Write a binary search in Java and explain its time complexity." --seeds 5
+        --prompt "Write a binary search in Java and explain its time complexity." --samples 5
     ngrav generate --prompts prompts.txt --profile profiles/space.yaml --raw --output out.jsonl
     ngrav inspect --profile profiles/binary_search.json
     ngrav model path smollm2          # the model folder for `vllm serve`
@@ -23,7 +23,7 @@ import typer
 
 from . import compare, generate, inspect, levels, rollout, serve, shortlist
 from . import eval as evaluate
-from .common import set_debug
+from .common import FLAG, set_debug
 from .model import model_app
 from .profile import profile_app
 
@@ -53,10 +53,12 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    debug: Annotated[bool, typer.Option("--debug", help="print the traceback of an error, too")] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar=FLAG, help="print the traceback of an error, too")] = False,
     show_version: Annotated[
         bool,
-        typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="print the version and exit"),
+        typer.Option(
+            "--version", "-V", metavar=FLAG, callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
     ] = False,
 ) -> None:
     set_debug(debug)

@@ -31,6 +31,7 @@ from rich.table import Table
 from ..profiles.reference import profile_reference, profile_schema_text
 from ..profiles.schema import load_profile
 from ..profiles.store import ProfileStore
+from .common import FLAG
 from .common import guarded as _guard
 
 __all__ = ["profile_app"]
@@ -185,7 +186,9 @@ def diff(
     name: NameArg,
     a: Annotated[int, typer.Argument(min=1, help="older version")],
     b: Annotated[int, typer.Argument(min=1, help="newer version")],
-    keys: Annotated[bool, typer.Option("--keys", help="a table of changed keys instead of a unified diff")] = False,
+    keys: Annotated[
+        bool, typer.Option("--keys", metavar=FLAG, help="a table of changed keys instead of a unified diff")
+    ] = False,
 ) -> None:
     """Show what changed between two versions of a profile.
 

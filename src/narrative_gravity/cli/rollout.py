@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..engines.options import GenerationOptions
 from ..profiles.store import StoreDamagedError
+from .common import FLAG, renamed
 from .common import fail as _fail
 from .common import guarded as _guard
 from .profile import NameArg, stdout, store_of
@@ -35,11 +36,14 @@ _LimitOpt = Annotated[
     ),
 ]
 _SamplesOpt = Annotated[int, typer.Option("--samples", min=1, help="seeds 0..N-1 per prompt")]
-_MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt")]
+_MaxNewTokensOpt = Annotated[
+    int, typer.Option("--max-new-tokens", min=1, help="token budget per prompt (60: as ngrav eval)")
+]
 _TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="top-k sampling (0 = off)")]
 _TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy")]
 _RawOpt = Annotated[
-    bool | None, typer.Option("--raw/--chat", help="plain continuation or chat template (default: as ngrav eval)")
+    bool | None,
+    typer.Option("--raw/--chat", metavar=FLAG, help="plain continuation or chat template (default: as ngrav eval)"),
 ]
 _BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="prompts per batch")]
 _LimitPromptsOpt = Annotated[int | None, typer.Option("--limit-prompts", min=1, help="keep N prompts")]
@@ -49,10 +53,20 @@ _JudgeOpt = Annotated[
 ]
 _OutOpt = Annotated[Path | None, typer.Option("--out", help="keep the eval's run folder and reports here")]
 _NoCheckOpt = Annotated[
-    bool, typer.Option("--no-check", help="move the live pointer without an eval (an emergency switch)")
+    bool, typer.Option("--no-check", metavar=FLAG, help="move the live pointer without an eval (an emergency switch)")
 ]
 _WhyPromotedOpt = Annotated[str | None, typer.Option("--message", "-m", help="why it is promoted")]
-_JsonOutOpt = Annotated[bool, typer.Option("--json", help="print the checks as JSON")]
+_FormatOpt = Annotated[str, typer.Option("--format", help="text (a table) or json, on stdout")]
+_JsonRenamedOpt = Annotated[
+    bool, renamed("--json", "is now --format json (--json FILE saves a file elsewhere)", switch=True)
+]
+
+
+def _format(value: str) -> bool:
+    """``--format``: True for json, False for text; anything else is one error line."""
+    if value not in ("text", "json"):
+        _fail(f"--format must be text or json, got {value!r}")
+    return value == "json"
 
 
 @app.command()
@@ -74,7 +88,8 @@ def promote(
     out: _OutOpt = None,
     no_check: _NoCheckOpt = False,
     message: _WhyPromotedOpt = None,
-    json_out: _JsonOutOpt = False,
+    output_format: _FormatOpt = "text",
+    json_renamed: _JsonRenamedOpt = False,
 ) -> None:
     """Make a staged version live once an eval on a prompt set shows no regression beyond the limits.
 
@@ -88,6 +103,7 @@ def promote(
 
         ngrav profile promote space --version 3 --no-check
     """
+    as_json = _format(output_format)
     store = store_of(ctx)
     if no_check:
         if prompts or limit:
@@ -118,7 +134,7 @@ def promote(
         judge=judge, limit_prompts=limit_prompts, message=message,
     )  # fmt: skip
     result = _guard(lambda: evaluate_promotion(store, name, limits, check, console=err))
-    if json_out:
+    if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     else:
         stdout(wide=True).print(_checks_table(result))
@@ -164,9 +180,9 @@ _SplitVersionOpt = Annotated[
     int | None, typer.Option("--split-version", min=1, help="the version arm split:b serves (a staged one)")
 ]
 _SplitShareOpt = Annotated[float | None, typer.Option("--split-share", help="share of requests on split:b, e.g. 0.1")]
-_NoSplitOpt = Annotated[bool, typer.Option("--no-split", help="end the split (keep the shadow)")]
-_ClearOpt = Annotated[bool, typer.Option("--clear", help="turn the rollout off: no shadow, no split")]
-_HistoryOpt = Annotated[bool, typer.Option("--history", help="show every revision")]
+_NoSplitOpt = Annotated[bool, typer.Option("--no-split", metavar=FLAG, help="end the split (keep the shadow)")]
+_ClearOpt = Annotated[bool, typer.Option("--clear", metavar=FLAG, help="turn the rollout off: no shadow, no split")]
+_HistoryOpt = Annotated[bool, typer.Option("--history", metavar=FLAG, help="show every revision")]
 _WhyChangedOpt = Annotated[str | None, typer.Option("--message", "-m", help="why it changed")]
 
 
@@ -255,7 +271,8 @@ def report(
         str | None, typer.Option("--server", help="ask a running server (e.g. http://127.0.0.1:8000) instead")
     ] = None,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="NGRAV_API_KEY", help="the server's key")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    output_format: _FormatOpt = "text",
+    json_renamed: _JsonRenamedOpt = False,
 ) -> None:
     """Compare the arms of NAME (live, split, shadow) from what the server recorded, with 95% intervals.
 
@@ -267,8 +284,9 @@ def report(
 
         ngrav profile report space
 
-        ngrav profile report space --server http://127.0.0.1:8000 --json
+        ngrav profile report space --server http://127.0.0.1:8000 --format json
     """
+    as_json = _format(output_format)
     from ..eval.rollout_report import (  # the statistics import the evaluation (torch): not for --help
         build_report,
         render_report,
@@ -281,7 +299,7 @@ def report(
         live = _guard(lambda: store.live_version(name))  # an unknown name fails here, with a did-you-mean
         data = _guard(lambda: build_report(name, store.arms_log(name).read()))
         data["live"] = live
-    if json_out:
+    if as_json:
         typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
         return
     console = stdout(wide=True)

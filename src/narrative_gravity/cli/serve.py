@@ -8,73 +8,153 @@ from typing import Annotated
 
 import typer
 
-from .common import DeviceOpt, ModelOpt, check_model, check_output, fail, guarded
+from .common import DEVICE_HELP, FLAG, MODEL_HELP, check_model, check_output, fail, guarded
 
 __all__ = ["app"]
 
 app = typer.Typer(rich_markup_mode="rich")
 
 
-_HostOpt = Annotated[str, typer.Option("--host", help="interface to bind; keep 127.0.0.1 unless you set a key")]
-_PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port")]
+_ModelOpt = Annotated[str | None, typer.Option("--model", rich_help_panel="Model and engine", help=MODEL_HELP)]
+_DeviceOpt = Annotated[str, typer.Option("--device", rich_help_panel="Model and engine", help=DEVICE_HELP)]
+_HostOpt = Annotated[
+    str, typer.Option("--host", rich_help_panel="Server", help="interface to bind; keep 127.0.0.1 unless you set a key")
+]
+_PortOpt = Annotated[int, typer.Option("--port", rich_help_panel="Server", min=0, max=65535, help="TCP port")]
 _ApiKeyOpt = Annotated[
     str | None,
-    typer.Option("--api-key", envvar="NGRAV_API_KEY", help="require `Authorization: Bearer KEY` (prefer the env var)"),
+    typer.Option(
+        "--api-key",
+        rich_help_panel="Security",
+        envvar="NGRAV_API_KEY",
+        help="require `Authorization: Bearer KEY` (prefer the env var)",
+    ),
 ]
 _StoreOpt = Annotated[
-    Path | None, typer.Option("--store", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder")
+    Path | None,
+    typer.Option("--store", rich_help_panel="Server", envvar="NARRATIVE_GRAVITY_STORE", help="profile store folder"),
 ]
 _EngineOpt = Annotated[
-    str, typer.Option("--engine", help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)")
+    str,
+    typer.Option(
+        "--engine",
+        rich_help_panel="Model and engine",
+        help="hf (embedded transformers) or vllm (in-process vLLM; its own venv)",
+    ),
 ]
-_MaxBatchSizeOpt = Annotated[int, typer.Option("--max-batch-size", min=1, help="rows per generate call")]
-_BatchWindowMsOpt = Annotated[float, typer.Option("--batch-window-ms", min=0.0, help="how long a batch waits to fill")]
-_MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="rows that may wait; more get 429")]
-_MaxTokensLimitOpt = Annotated[int, typer.Option("--max-tokens-limit", min=1, help="largest max_tokens")]
-_MaxPromptTokensOpt = Annotated[int, typer.Option("--max-prompt-tokens", min=1, help="longest prompt (tokens)")]
-_MaxBodyBytesOpt = Annotated[int, typer.Option("--max-body-bytes", min=1, help="largest request body")]
+_MaxBatchSizeOpt = Annotated[
+    int, typer.Option("--max-batch-size", rich_help_panel="Batching", min=1, help="rows per generate call")
+]
+_BatchWindowMsOpt = Annotated[
+    float, typer.Option("--batch-window-ms", rich_help_panel="Batching", min=0.0, help="how long a batch waits to fill")
+]
+_MaxQueueOpt = Annotated[
+    int, typer.Option("--max-queue", rich_help_panel="Batching", min=1, help="rows that may wait; more get 429")
+]
+_MaxTokensLimitOpt = Annotated[
+    int, typer.Option("--max-tokens-limit", rich_help_panel="Request limits", min=1, help="largest max_tokens")
+]
+_MaxPromptTokensOpt = Annotated[
+    int, typer.Option("--max-prompt-tokens", rich_help_panel="Request limits", min=1, help="longest prompt (tokens)")
+]
+_MaxBodyBytesOpt = Annotated[
+    int, typer.Option("--max-body-bytes", rich_help_panel="Request limits", min=1, help="largest request body")
+]
 _InlineGravityOpt = Annotated[
-    bool, typer.Option("--inline-gravity/--no-inline-gravity", help="accept inline profiles, or stored ones only")
+    bool,
+    typer.Option(
+        "--inline-gravity/--no-inline-gravity",
+        metavar=FLAG,
+        rich_help_panel="Security",
+        help="accept inline profiles, or stored ones only",
+    ),
 ]
 _InsecureNoAuthOpt = Annotated[
-    bool, typer.Option("--insecure-no-auth", help="allow a non-loopback --host without an API key")
+    bool,
+    typer.Option(
+        "--insecure-no-auth",
+        metavar=FLAG,
+        rich_help_panel="Security",
+        help="allow a non-loopback --host without an API key",
+    ),
 ]
-_MaxStagesOpt = Annotated[int, typer.Option("--max-stages", min=1, help="most `stages` of one profile")]
+_MaxStagesOpt = Annotated[
+    int, typer.Option("--max-stages", rich_help_panel="Profile limits", min=1, help="most `stages` of one profile")
+]
 _MaxWordsPerListOpt = Annotated[
-    int, typer.Option("--max-words-per-list", min=1, help="most words in one word list of a profile")
+    int,
+    typer.Option(
+        "--max-words-per-list", rich_help_panel="Profile limits", min=1, help="most words in one word list of a profile"
+    ),
 ]
-_MaxWordsOpt = Annotated[int, typer.Option("--max-words", min=1, help="most words of one profile, in all")]
+_MaxWordsOpt = Annotated[
+    int, typer.Option("--max-words", rich_help_panel="Profile limits", min=1, help="most words of one profile, in all")
+]
 _MaxSemanticTopKOpt = Annotated[
-    int, typer.Option("--max-semantic-top-k", min=1, help="largest field.semantic_top_k / thermostat.candidates")
+    int,
+    typer.Option(
+        "--max-semantic-top-k",
+        rich_help_panel="Profile limits",
+        min=1,
+        help="largest field.semantic_top_k / thermostat.candidates",
+    ),
 ]
 _MaxNeighboursOpt = Annotated[
-    int, typer.Option("--max-neighbours", min=1, help="largest field.neighbours of a profile")
+    int,
+    typer.Option(
+        "--max-neighbours", rich_help_panel="Profile limits", min=1, help="largest field.neighbours of a profile"
+    ),
 ]
 _MaxSemanticCacheEntriesOpt = Annotated[
-    int, typer.Option("--max-semantic-cache-entries", min=1, help="semantic fields kept in the disk cache (LRU)")
+    int,
+    typer.Option(
+        "--max-semantic-cache-entries",
+        rich_help_panel="Profile limits",
+        min=1,
+        help="semantic fields kept in the disk cache (LRU)",
+    ),
 ]
 _PrefillTokensOpt = Annotated[
     int,
-    typer.Option("--prefill-tokens", min=0, help="vLLM: new prompt tokens joining the batch per step (0: no limit)"),
+    typer.Option(
+        "--prefill-tokens",
+        rich_help_panel="vLLM engine",
+        min=0,
+        help="vLLM: new prompt tokens joining the batch per step (0: no limit)",
+    ),
 ]
 _ReadTimeoutOpt = Annotated[
-    float, typer.Option("--read-timeout", min=0.001, help="seconds for request headers, or between body pieces")
+    float,
+    typer.Option(
+        "--read-timeout",
+        rich_help_panel="Request limits",
+        min=0.001,
+        help="seconds for request headers, or between body pieces",
+    ),
 ]
 _WriteTimeoutOpt = Annotated[
-    float, typer.Option("--write-timeout", min=0.001, help="seconds a client may leave a response unread")
+    float,
+    typer.Option(
+        "--write-timeout",
+        rich_help_panel="Request limits",
+        min=0.001,
+        help="seconds a client may leave a response unread",
+    ),
 ]
-_LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")]
+_LogLevelOpt = Annotated[
+    str, typer.Option("--log-level", rich_help_panel="Server", help="debug, info, warning or error")
+]
 
 
 @app.command()
 def serve(
-    model: ModelOpt = None,
+    model: _ModelOpt = None,
     host: _HostOpt = "127.0.0.1",
     port: _PortOpt = 8000,
     api_key: _ApiKeyOpt = None,
     store: _StoreOpt = None,
     engine: _EngineOpt = "hf",
-    device: DeviceOpt = "cpu",
+    device: _DeviceOpt = "cpu",
     max_batch_size: _MaxBatchSizeOpt = 8,
     batch_window_ms: _BatchWindowMsOpt = 20.0,
     max_queue: _MaxQueueOpt = 64,

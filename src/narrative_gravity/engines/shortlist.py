@@ -159,7 +159,7 @@ def load_frequency_list(path: str | Path) -> FrequencyList:
         return _LIST_CACHE[key]
     if not p.is_file():
         raise ConfigurationError(
-            f"shortlist file {str(p)!r} does not exist; build one with `ngrav shortlist build --model ... --out {p}`"
+            f"shortlist file {str(p)!r} does not exist; build one with `ngrav shortlist build --model ... --output {p}`"
         )
     try:
         raw = p.read_bytes()
@@ -212,7 +212,7 @@ def _list_for(tokenizer: Any, vocab_size: int, file: str | None) -> FrequencyLis
                 return freq
     raise ConfigurationError(
         f"no packaged frequency list fits this model's vocabulary ({vocab_size} tokens, tokenizer {fp}); packaged "
-        f"are {', '.join(PACKAGED_LISTS)}. Build one with `ngrav shortlist build --model ... --out LIST.json.gz` "
+        f"are {', '.join(PACKAGED_LISTS)}. Build one with `ngrav shortlist build --model ... --output LIST.json.gz` "
         "and name it in prune.head.file"
     )
 
