@@ -298,3 +298,13 @@ def test_reach_topics_reads_the_shipped_word_lists(tiny_folder, monkeypatch):
 def test_reach_without_lists_or_topics_says_what_to_give():
     res = runner.invoke(app, ["reach"])
     assert res.exit_code == 2 and "--topics" in res.output
+
+
+def test_the_command_line_loads_without_torch():
+    """`ngrav --help` stays fast: building the app imports no torch or transformers (each command imports them)."""
+    import subprocess
+    import sys
+
+    code = "import sys, narrative_gravity.cli.main; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"the CLI imports {out.strip()} at start-up; import it inside the command"

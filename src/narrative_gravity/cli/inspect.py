@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..eval.topics import topic_wordlists
 from .common import FLAG, ModelOpt, guarded, load, read_profile, read_text, tokenizer
 
 __all__ = ["app"]
@@ -66,6 +65,7 @@ def reach(
 
     Examples: ngrav reach --topics · ngrav reach my_words.txt --model gemma3-270m
     """
+    from ..eval.topics import topic_wordlists  # the eval package imports torch: not for --help
     from ..fields.lexical import reach as reach_words  # torch: not for --help
 
     wordlists = list(wordlists or [])
