@@ -87,12 +87,13 @@ class RequirementOptions:
     See :class:`~narrative_gravity.gravity.require.Requirement`, which checks them when it is built.
     """
 
-    strength: float = 4.0
-    curve: float = 2.0
-    force: bool = True
-    slack: int = 6
-    window: int = 24
-    spread: bool = False
+    # the defaults are the kernel's, defined once there
+    strength: float = Requirement.strength
+    curve: float = Requirement.curve
+    force: bool = Requirement.force
+    slack: int = Requirement.slack
+    window: int = Requirement.window
+    spread: bool = Requirement.spread
 
 
 def build_requirement(
