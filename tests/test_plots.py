@@ -37,6 +37,9 @@ def test_bands_stay_in_range_and_the_figure_says_what_they_are() -> None:
                 assert ys.min() >= 0.0
             labels = ax.get_legend_handles_labels()[1]
             assert "gravity: 10th–90th pct" in labels and "control: mean of 6" in labels
+        for ax in fig.axes:  # every run's line fits its panel (a limit set after the first run once cut the rest)
+            top = max(float(np.nanmax(line.get_ydata())) for line in ax.get_lines())
+            assert ax.get_ylim()[1] >= top
         mass = fig.axes[1]
         assert max(p.vertices[:, 1].max() for band in mass.collections for p in band.get_paths()) <= 1.0
     finally:

@@ -97,10 +97,10 @@ def trace_figure(runs: Mapping[str, Sequence[Mapping[str, Sequence[float]]]], *,
             ax.fill_between(
                 steps, low, high, alpha=0.2, color=line.get_color(), label=f"{label}: {BAND[0]}th–{BAND[1]}th pct"
             )
-            ax.set_xlabel("generated token")
-            ax.set_ylabel(ylabel)
-            if limits[0] is not None:
-                ax.set_ylim(bottom=limits[0])
+    for ax, (_, ylabel, limits) in zip(axes, _PANELS, strict=True):
+        ax.set_xlabel("generated token")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=limits[0])  # after every run: a limit set earlier stops the axis scaling to later runs
     axes[0].legend(fontsize="small")
     chars = int(width * 12)  # about the characters a line of the suptitle holds at its default size
     if title:
