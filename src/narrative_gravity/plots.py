@@ -90,7 +90,7 @@ def trace_figure(runs: Mapping[str, Sequence[Mapping[str, Sequence[float]]]], *,
         traces = [t for t in traces if t]
         if not traces:
             continue
-        for ax, (key, ylabel, limits) in zip(axes, _PANELS, strict=True):
+        for ax, (key, _, limits) in zip(axes, _PANELS, strict=True):
             mean, low, high = _band(_stack(traces, key), limits)
             steps = np.arange(mean.shape[0])
             (line,) = ax.plot(steps, mean, label=f"{label}: mean of {len(traces)}")
