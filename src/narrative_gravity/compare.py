@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
+import torch
 
 from .embeddings import encode
 from .engines.hf import processor_from_profile
@@ -68,10 +70,21 @@ class Scoring:
     (1.0, 0.0)
     >>> Scoring().metrics("anything")["held_out_words"]  # nothing to score against: not a number
     nan
+    >>> Scoring(held_out=[" moon ", ""], description="  ")  # trimmed; blanks dropped
+    Scoring(held_out=('moon',), description=None)
     """
 
     held_out: tuple[str, ...] = ()
     description: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "held_out", tuple(w.strip() for w in self.held_out if w.strip()))
+        object.__setattr__(self, "description", (self.description or "").strip() or None)
+
+    @cached_property
+    def _description_vector(self) -> torch.Tensor:
+        """The description's MiniLM vector, encoded once for every text scored."""
+        return encode([self.description or ""])[0]
 
     def check(self, profile: Profile) -> None:
         """Refuse held-out words that the profile names: those would score what the pull pushes.
@@ -99,9 +112,9 @@ class Scoring:
         }
         if self.description and text.strip():
             last = text[2 * len(text) // 3 :]
-            vecs = encode([self.description, text, last if last.strip() else text])
-            out["description_similarity"] = float(vecs[1] @ vecs[0])
-            out["description_last_third"] = float(vecs[2] @ vecs[0])
+            whole, end = encode([text, last if last.strip() else text])
+            out["description_similarity"] = float(whole @ self._description_vector)
+            out["description_last_third"] = float(end @ self._description_vector)
         return out
 
 

@@ -82,7 +82,7 @@ def compare(
     json_out = alias("--json", "--output", output, output_alias)
     check_output(json_out, "--output")
     options = guarded(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, device=device))
-    words = tuple(w.strip() for w in (held_out or "").split(",") if w.strip())
+    words = tuple((held_out or "").split(","))  # Scoring trims them and drops blanks
     scoring = compare_scoring(words, description if description is not None else prof.description)
     guarded(lambda: scoring.check(prof))
     m, tok = load(model, device)

@@ -195,10 +195,7 @@ async def score(data: Any = Depends(request_json), state: ServerState = Depends(
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"`runs.{i}.{side}.token_ids` has ids outside the vocabulary", param="runs")
     backend, profile = state.backend, gravity.profile
-    scoring = Scoring(
-        held_out=tuple(w.strip() for w in req.held_out if w.strip()),
-        description=(req.description or "").strip() or None,
-    )
+    scoring = Scoring(held_out=tuple(req.held_out), description=req.description)
     try:
         scoring.check(profile)
     except NarrativeGravityError as exc:
