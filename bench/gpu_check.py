@@ -22,7 +22,9 @@ script checks that on a real GPU, in two steps:
 Run::
 
     python bench/gpu_check.py prepare --kit .gpukit
-    # on the GPU machine, with the repository's src on PYTHONPATH:
+    # on the GPU machine, from the repository's root: every check in one go (the script prepare wrote)
+    bash .gpukit/run_on_gpu.sh
+    # or one check, with the repository's src on PYTHONPATH:
     python bench/gpu_check.py run --kit .gpukit --json gpu_check.json
     # on any machine: the operations (GPU kernel launches) of one step, by source line
     python bench/gpu_check.py ops --kit .gpukit --profile "topic default" --batch 8 --as-accelerator
@@ -90,7 +92,28 @@ def prepare(kit: Path) -> None:
         programs[name] = {"program": program, "controller": controller_from_profile(profile)}
         print(f"built {name}: vocab {program.fields[0].vocab_size}, stages {program.stages is not None}")
     torch.save(programs, kit / "programs.pt")
-    print(f"kit written to {kit}")
+    script = kit / "run_on_gpu.sh"
+    where = kit.resolve()
+    script.write_text(RUN_ON_GPU.format(kit=where.relative_to(REPO) if where.is_relative_to(REPO) else where))
+    script.chmod(0o755)
+    print(f"kit written to {kit}; on the GPU machine, from the repository's root: bash {script}")
+
+
+RUN_ON_GPU = """#!/usr/bin/env bash
+# Every check of bench/gpu_check.py in one go, on a CUDA machine, from the repository's root (written by
+# `python bench/gpu_check.py prepare`). Results land in $OUT (or ./gpu-out): gpu_check.json and the whole log.
+set -euo pipefail
+OUT="${{OUT:-gpu-out}}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${{PYTHONPATH:+:$PYTHONPATH}}"
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+{{
+  for profile in "topic default" "topic + required words"; do
+    python3 bench/gpu_check.py ops --kit {kit} --profile "$profile" --batch 8 --as-accelerator
+  done
+  python3 bench/gpu_check.py run --kit {kit} --json "$OUT/gpu_check.json"
+}} 2>&1 | tee "$OUT/gpu_check.log"
+"""
 
 
 def _library_frame() -> traceback.FrameSummary | None:

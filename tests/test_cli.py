@@ -144,14 +144,18 @@ def test_a_device_the_machine_lacks_is_named_before_anything_loads(tmp_path, pro
 
     gen = ["generate", "--prompts", str(prompts), "--no-gravity", "--output", str(tmp_path / "o.jsonl")]
     serve = ["serve", "--store", str(tmp_path / "s")]
+    evaluate = ["eval", "--prompts", "topics", "--profile", "auto", "--out", str(tmp_path / "e")]
     _one_line_error(runner.invoke(app, [*gen, "--device", "tpu"]), "unknown device 'tpu'", "cuda:N", "auto")
     _one_line_error(runner.invoke(app, [*serve, "--device", "tpu"]), "unknown device 'tpu'")
+    _one_line_error(runner.invoke(app, [*evaluate, "--device", "tpu"]), "unknown device 'tpu'", "cuda:N")
+    _one_line_error(runner.invoke(app, [*evaluate, "--device", "cuda", "--engine", "vllm"]), "transformers engine")
     _one_line_error(runner.invoke(app, [*gen, "--device", "xla"]), "'xla' is not supported")
     _one_line_error(runner.invoke(app, [*gen, "--device", "cuda", "--engine", "vllm"]), "transformers engine")
     if not torch.cuda.is_available():
-        for args in ([*gen, "--device", "cuda:1"], [*serve, "--device", "cuda"]):
+        for args in ([*gen, "--device", "cuda:1"], [*serve, "--device", "cuda"], [*evaluate, "--device", "cuda"]):
             _one_line_error(runner.invoke(app, args), "no usable CUDA GPU", "--device cpu")
-    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "s").exists()  # nothing was made
+    for made in ("o.jsonl", "s", "e"):
+        assert not (tmp_path / made).exists(), made  # nothing was made
 
 
 def test_output_paths_are_checked_before_generating(tmp_path, prompts):

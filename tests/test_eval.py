@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -482,6 +483,13 @@ def test_run_refuses_to_mix_runs(tiny_model, tmp_path, space_profile):
     other = _settings(prompts, [space_profile], seeds=(0,), max_new_tokens=7)
     with pytest.raises(ConfigurationError, match="max_new_tokens"):
         run_eval(other, out, resume=True, models=EvalModels(model, tok), progress=False)
+    with pytest.raises(ConfigurationError, match="device: was 'cpu', now 'auto'"):
+        run_eval(replace(s, device="auto"), out, resume=True, models=EvalModels(model, tok), progress=False)
+    # a run made before --device (no device in its manifest) resumes on the CPU
+    manifest = json.loads((out / "run.json").read_text())
+    del manifest["settings"]["device"]
+    (out / "run.json").write_text(json.dumps(manifest))
+    run_eval(s, out, resume=True, models=EvalModels(model, tok), progress=False, write_report=False)
 
 
 def test_result_store_drops_a_torn_last_line(tmp_path):

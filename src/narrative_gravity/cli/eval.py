@@ -9,6 +9,7 @@ import typer
 
 from .common import (
     FLAG,
+    DeviceOpt,
     EngineOpt,
     ModelOpt,
     TempOpt,
@@ -106,6 +107,7 @@ def eval_command(
     report_only: _ReportOnlyOpt = False,
     engine: EngineOpt = "hf",
     chat_frame: _ChatFrameOpt = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Evaluate profiles against control (no gravity) on a prompt set, with paired statistics and reports.
 
@@ -121,9 +123,11 @@ def eval_command(
         ngrav eval --prompts prompts.jsonl --profile profiles/space.yaml --seeds 0-4 --out out/space --resume
 
     With `--engine vllm` (run from .venv-vllm) every profile arm runs on an in-process vLLM engine and the judge
-    stays on transformers; the `article` and `weighted:λ` baselines run on `--engine hf` only.
+    stays on transformers; the `article` and `weighted:λ` baselines run on `--engine hf` only. `--device cuda`
+    runs the model and the judge on a GPU (the transformers engine).
     """
     from ..eval import command, runner  # the evaluation imports torch: not for --help
+    from ..models import resolve_device
 
     if not profile and not report_only:
         fail("give --profile FILE (repeat for several) or --profile auto")
@@ -133,6 +137,8 @@ def eval_command(
             read_text(Path(prompts), "--prompts")
         check_output(out, "--out", folder=True)
         check_model(model)
+        if engine == "vllm" and device != "cpu":
+            fail("--device is for the transformers engine; vLLM places the model on its own device (drop --device)")
         if engine == "vllm":
             vllm_engine()
     if report_only:
@@ -155,6 +161,9 @@ def eval_command(
             auto_template=auto_template,
             engine=engine,
             chat_frame=chat_frame,
+            device=device,
         )
     )
+    if engine == "hf":
+        guarded(lambda: resolve_device(device))  # a device this machine lacks fails before any model loads
     guarded(lambda: command.run_command(settings, out, resume=resume))

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ..engines.options import GenerationOptions
 from ..profiles.store import StoreDamagedError
-from .common import FLAG, renamed
+from .common import FLAG, DeviceOpt, renamed
 from .common import fail as _fail
 from .common import guarded as _guard
 from .profile import NameArg, stdout, store_of
@@ -85,6 +85,7 @@ def promote(
     limit_prompts: _LimitPromptsOpt = None,
     model: _ModelOpt = None,
     judge: _JudgeOpt = None,
+    device: DeviceOpt = "cpu",
     out: _OutOpt = None,
     no_check: _NoCheckOpt = False,
     message: _WhyPromotedOpt = None,
@@ -128,7 +129,9 @@ def promote(
     if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
         _fail(f"--prompts {prompts!r} is neither a built-in set (topics, empath) nor a file; check the path")
     err = Console(stderr=True, soft_wrap=True)
-    options = _guard(lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, batch_size=batch_size))
+    options = _guard(
+        lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, batch_size=batch_size, device=device)
+    )
     check = PromotionCheck(
         prompts=prompts, version=version, out=out, seeds=tuple(range(samples)), options=options, model_name=model,
         judge=judge, limit_prompts=limit_prompts, message=message,

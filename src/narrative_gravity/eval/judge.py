@@ -117,8 +117,9 @@ class PerplexityJudge:
         return [math.exp(s / n) if n > 0 else float("nan") for s, n in self.nll(contexts, continuations)]
 
 
-def load_judge(name_or_path: str | None = DEFAULT_JUDGE) -> PerplexityJudge:
-    """Load the judge model with :func:`~narrative_gravity.models.load_model` (``gemma3-270m`` by default)."""
+def load_judge(name_or_path: str | None = DEFAULT_JUDGE, *, device: str = "cpu") -> PerplexityJudge:
+    """Load the judge model with :func:`~narrative_gravity.models.load_model` (``gemma3-270m`` by default) on
+    ``device``."""
 
-    model, tokenizer = load_model(name_or_path or DEFAULT_JUDGE)
+    model, tokenizer = load_model(name_or_path or DEFAULT_JUDGE, device=device)
     return PerplexityJudge(model, tokenizer, name=str(name_or_path or DEFAULT_JUDGE))

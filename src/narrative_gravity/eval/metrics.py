@@ -91,11 +91,15 @@ class MetricContext:
         encoder: ``texts -> [n, d]`` unit rows; default: MiniLM (:func:`~narrative_gravity.embeddings.load_minilm`).
         judge: a :class:`~narrative_gravity.eval.judge.PerplexityJudge`, a model name or path to load one,
             or ``None`` for the default judge (Gemma 3 270M).
+        device: where a judge loaded here runs (``cpu``, ``cuda``, ``auto``, ...).
     """
 
-    def __init__(self, *, encoder: Callable[[Sequence[str]], Any] | None = None, judge: Any = None) -> None:
+    def __init__(
+        self, *, encoder: Callable[[Sequence[str]], Any] | None = None, judge: Any = None, device: str = "cpu"
+    ) -> None:
         self._encoder = encoder
         self._judge = judge
+        self._device = device
         self._vectors: dict[str, Any] = {}
         self._centroids: dict[tuple[str, ...], Any] = {}
         self._ppl: dict[tuple[str, str], float] = {}
@@ -109,7 +113,7 @@ class MetricContext:
     @property
     def judge(self) -> Any:
         if self._judge is None or isinstance(self._judge, str):
-            self._judge = load_judge(self._judge)
+            self._judge = load_judge(self._judge, device=self._device)
         return self._judge
 
     def vectors(self, texts: Sequence[str]) -> list[Any]:

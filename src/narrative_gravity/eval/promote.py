@@ -212,6 +212,7 @@ class PromotionCheck:
             metrics=tuple(metrics),
             limit_prompts=self.limit_prompts,
             engine=o.engine,
+            device=o.device,
         )
 
 

@@ -113,7 +113,8 @@ _RESUME_KEYS = ("prompts_digest", "profiles_digest")
 
 
 def _check_resume(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    old = {**old, "settings": {"engine": "hf", **old.get("settings", {})}}  # runs from before --engine
+    # runs from before --engine and --device
+    old = {**old, "settings": {"engine": "hf", "device": "cpu", **old.get("settings", {})}}
     diffs = [k for k, v in new["settings"].items() if old["settings"].get(k) != v]
     diffs += [k.removesuffix("_digest") for k in _RESUME_KEYS if old.get(k) != new[k]]
     if diffs:
@@ -219,9 +220,9 @@ def _make_runner(
     model, tokenizer, ctx = models.model, models.tokenizer, models.ctx
     if settings.engine == "hf" and (model is None or tokenizer is None):
         with console.status(f"loading {settings.model or 'smollm2'}"):
-            model, tokenizer = load_model(settings.model)
+            model, tokenizer = load_model(settings.model, device=settings.device)
     if ctx is None:
-        ctx = MetricContext(judge=settings.judge if settings.judge_on else None)
+        ctx = MetricContext(judge=settings.judge if settings.judge_on else None, device=settings.device)
     needs = set().union(*(m.needs for m in metrics))
     if needs:
         with console.status(f"loading scoring models ({', '.join(sorted(needs))})"):

@@ -59,6 +59,7 @@ class EvalSettings:
     auto_template: str | None = None
     engine: str = "hf"
     chat_frame: str | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.profiles:
@@ -77,6 +78,12 @@ class EvalSettings:
                 f"got {self.chat_frame!r}"
             )
         check_engine_arms(self.profiles, self.engine)
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ConfigurationError(f"--device has to name a device such as cpu, cuda or auto, but is {self.device!r}")
+        if self.engine == "vllm" and self.device != "cpu":
+            raise ConfigurationError(
+                "--device is for the transformers engine; vLLM places the model on its own device (drop --device)"
+            )
 
     @property
     def raw_mode(self) -> bool:
