@@ -41,4 +41,6 @@ if [ "${NGRAV_SKIP_VLLM:-0}" != "1" ]; then
   VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py \
     src/narrative_gravity/engines/vllm.py \
     tests/test_server_rollout.py::test_on_the_vllm_engine_arms_are_recorded_and_shadows_join_the_batch
+  # vLLM's own OpenAI server as users start it: default multiprocessing, our processor from its entry point
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_serve.py
 fi
