@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import NarrativeGravityError
-from ..models import load_model, load_tokenizer, resolve_model
+from ..models import load_model, load_tokenizer, resolve_device, resolve_model
 from ..profiles.schema import Profile, load_profile
 from ..text import unencodable
 
@@ -48,6 +48,7 @@ __all__ = [
     "TempOpt",
     "TopKOpt",
     "alias",
+    "check_device",
     "check_encoder",
     "check_model",
     "check_output",
@@ -278,6 +279,16 @@ def load(model: str | None, device: str = "cpu") -> tuple[Any, Any]:
 def tokenizer(model: str | None) -> Any:
     """The tokenizer of ``--model``, or one error line."""
     return guarded(lambda: load_tokenizer(model))
+
+
+def check_device(engine: str, device: str) -> None:
+    """One error line where ``device`` cannot be used: any but ``cpu`` with the vLLM engine (it places the model
+    itself), or one this machine lacks (checked before anything loads)."""
+    if engine == "vllm":
+        if device != "cpu":
+            fail("--device is for the transformers engine; vLLM places the model on its own device (drop --device)")
+        return
+    guarded(lambda: resolve_device(device))  # imports torch: only once the command runs
 
 
 def vllm_engine() -> ModuleType:

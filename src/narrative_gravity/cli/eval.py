@@ -14,6 +14,7 @@ from .common import (
     ModelOpt,
     TempOpt,
     TopKOpt,
+    check_device,
     check_model,
     check_output,
     fail,
@@ -127,7 +128,6 @@ def eval_command(
     runs the model and the judge on a GPU (the transformers engine).
     """
     from ..eval import command, runner  # the evaluation imports torch: not for --help
-    from ..models import resolve_device
 
     if not profile and not report_only:
         fail("give --profile FILE (repeat for several) or --profile auto")
@@ -137,8 +137,7 @@ def eval_command(
             read_text(Path(prompts), "--prompts")
         check_output(out, "--out", folder=True)
         check_model(model)
-        if engine == "vllm" and device != "cpu":
-            fail("--device is for the transformers engine; vLLM places the model on its own device (drop --device)")
+        check_device(engine, device)
         if engine == "vllm":
             vllm_engine()
     if report_only:
@@ -164,6 +163,4 @@ def eval_command(
             device=device,
         )
     )
-    if engine == "hf":
-        guarded(lambda: resolve_device(device))  # a device this machine lacks fails before any model loads
     guarded(lambda: command.run_command(settings, out, resume=resume))

@@ -21,6 +21,7 @@ from .common import (
     SeedOpt,
     TempOpt,
     TopKOpt,
+    check_device,
     check_output,
     fail,
     guarded,
@@ -70,8 +71,7 @@ def generate(
             engine=engine, device=device,
         )
     )  # fmt: skip
-    if engine == "vllm" and device != "cpu":
-        fail("--device is for the transformers engine; vLLM places the model on its own device")
+    check_device(engine, device)
     texts = read_prompts(prompts)
     if profile is None and not no_gravity:
         fail("give --profile FILE for gravity, or --no-gravity for plain decoding")

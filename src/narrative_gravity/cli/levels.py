@@ -25,6 +25,7 @@ from .common import (
     SeedOpt,
     TopKOpt,
     alias,
+    check_device,
     check_encoder,
     check_model,
     check_output,
@@ -103,8 +104,7 @@ def answer(
     options = guarded(
         lambda: GenerationOptions(max_new_tokens, top_k, temperature, seed=seed, engine=engine, device=device)
     )
-    if engine == "vllm" and device != "cpu":
-        fail("--device is for the transformers engine; vLLM places the model on its own device")
+    check_device(engine, device)
     kwargs: dict[str, Any] = {}
     if engine == "vllm":  # one request at a time, up to the model's whole context
         kwargs["vllm"] = load_vllm(model, ["x"], GenerationOptions(max_new_tokens=4096, batch_size=2, raw=True))

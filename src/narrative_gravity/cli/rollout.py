@@ -69,6 +69,24 @@ def _format(value: str) -> bool:
     return value == "json"
 
 
+def _promote_unchecked(store: Any, name: str, version: int | None, message: str | None) -> None:
+    """``promote --no-check``: move the live pointer to ``version`` (default: the newest staged), with no eval."""
+    try:
+        before: int | str = store.live_version(name)
+    except StoreDamagedError:
+        before = "a damaged pointer"  # promoting a named version repairs it
+    if version is None and not _guard(lambda: store.staged(name)):
+        _fail(f"nothing is staged for {name!r}: live version {before} is the newest; give --version V")
+    live = _guard(lambda: store.promote(name, version, message=message or "promoted without a check"))
+    typer.echo(f"{name}: version {live} is live (was {before}); no eval was run")
+
+
+def _check_prompts(prompts: str) -> None:
+    """``--prompts``: a built-in topic set or a file; anything else is one error line."""
+    if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
+        _fail(f"--prompts {prompts!r} is neither a built-in set (topics, empath) nor a file; check the path")
+
+
 @app.command()
 def promote(
     ctx: typer.Context,
@@ -109,14 +127,7 @@ def promote(
     if no_check:
         if prompts or limit:
             _fail("--no-check moves the pointer without an eval; leave out --prompts and --limit, or --no-check")
-        try:
-            before: int | str = store.live_version(name)
-        except StoreDamagedError:
-            before = "a damaged pointer"  # promoting a named version repairs it
-        if version is None and not _guard(lambda: store.staged(name)):
-            _fail(f"nothing is staged for {name!r}: live version {before} is the newest; give --version V")
-        live = _guard(lambda: store.promote(name, version, message=message or "promoted without a check"))
-        typer.echo(f"{name}: version {live} is live (was {before}); no eval was run")
+        _promote_unchecked(store, name, version, message)
         return
     if not prompts or not limit:
         _fail(
@@ -126,8 +137,7 @@ def promote(
     from ..eval.promote import Limit, PromotionCheck, evaluate_promotion  # the evaluation: not for --help
 
     limits = [_guard(lambda spec=spec: Limit.parse(spec)) for spec in limit or []]
-    if prompts not in ("topics", "topics-tune", "empath", "empath-tune") and not Path(prompts).is_file():
-        _fail(f"--prompts {prompts!r} is neither a built-in set (topics, empath) nor a file; check the path")
+    _check_prompts(prompts)
     err = Console(stderr=True, soft_wrap=True)
     options = _guard(
         lambda: GenerationOptions(max_new_tokens, top_k, temperature, raw=raw, batch_size=batch_size, device=device)
