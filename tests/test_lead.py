@@ -42,8 +42,8 @@ def test_the_topic_default_reads_one_word_and_can_be_switched_off() -> None:
     p = Profile.from_mapping({"core_semantics": ["orbit", "planet"]})  # only words: the topic default
     assert p.lead and (p.lead.words, p.lead.kl_budget) == (1, 0.05)
     assert (p.lead.kl_budget_steps, p.lead.late_kl_budget) == (128, 0.3)  # the pull takes over past token 128
-    chat = p.lead.in_mode(raw=False)  # chat: three words, 0.12 nats, the lead's steps and late budget
-    assert chat and (chat.words, chat.kl_budget, chat.kl_budget_steps, chat.late_kl_budget) == (3, 0.12, 128, 0.3)
+    chat = p.lead.in_mode(raw=False)  # chat: three words, and the lead's budgets (0.05 nats, 128 steps, then 0.30)
+    assert chat and (chat.words, chat.kl_budget, chat.kl_budget_steps, chat.late_kl_budget) == (3, 0.05, 128, 0.3)
     assert lead_sentence(p, raw=False) == "Write about orbit and planet."
     no_chat = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"chat": False}})
     assert lead_sentence(no_chat, raw=False) is None and lead_sentence(no_chat, raw=True) is not None
@@ -76,7 +76,7 @@ def test_the_pull_takes_the_leads_budget_only_where_the_sentence_is_read() -> No
     assert p.thermostat.kl_budget is None and read.thermostat.kl_budget == 0.05 and read.lead == p.lead
     assert (read.thermostat.kl_budget_steps, read.thermostat.late_kl_budget) == (128, 0.3)
     assert reading_profile(read, raw=True) is read  # once is enough
-    assert reading_profile(p, raw=False).thermostat.kl_budget == 0.12  # the default's chat budget
+    assert reading_profile(p, raw=False).thermostat.kl_budget == 0.05  # the default's chat budget
     no_chat = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"chat": False}})
     assert reading_profile(no_chat, raw=False) is no_chat  # no sentence in chat, so no budget there
     in_chat = Profile.from_mapping({"core_semantics": ["orbit"], "lead": {"kl_budget": 0.1}})
@@ -297,7 +297,7 @@ def test_the_server_pulls_a_topic_default_as_read_and_measures_it_plain(tmp_path
     served = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=False)
     assert served.profile.lead and served.profile.thermostat.kl_budget == 0.05  # text prompts read the sentence
     chat = resolver.resolve({"core_semantics": ["orbit", "planet"]}, chat=True)
-    assert chat.profile.thermostat.kl_budget == 0.12  # the default reads its chat message: 0.12 nats a step
+    assert chat.profile.thermostat.kl_budget == 0.05  # the default reads its chat message: 0.05 nats a step
     measured = resolver.resolve({"core_semantics": ["orbit", "planet"], "measure_only": True}, chat=False)
     assert measured.profile.lead is False and measured.profile.gravity_strength == 0.0
     classic = resolver.resolve({"core_semantics": ["orbit"], "schedule": "constant"}, chat=False)

@@ -93,7 +93,7 @@ __all__ = [
 # 0.05 nats a step; past 128 generated tokens, where the sentence has faded, at 0.30. Chosen on the
 # `topics-tune` split, the Empath tuning topics and the named tuning prompts, never on held-out words
 # (docs/benchmarks.md). In chat the model reads a system message naming the three central words ("Write about
-# planet, orbit and galaxy.") and the pull stops at 0.12 nats a step (chosen on the chat tuning splits:
+# planet, orbit and galaxy.") under the same budgets (0.05 nats a step, chosen on the chat tuning splits:
 # docs/chat.md).
 TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
@@ -104,7 +104,7 @@ TOPIC_DEFAULTS: dict[str, Any] = {
         "kl_budget": 0.05,
         "kl_budget_steps": 128,
         "late_kl_budget": 0.30,
-        "chat": {"words": 3, "kl_budget": 0.12},
+        "chat": {"words": 3},
     },
 }
 
