@@ -324,14 +324,39 @@ def _cost_at(
     return row
 
 
-def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool, lines: int) -> dict[str, Any]:
+class CompiledCalls:
+    """Wraps a kernel's compiled step: counts its calls, and runs it outside any dispatch mode (torch.compile
+    refuses to run under one), so that :class:`OpCounter` sees only the eager operations around it."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args: Any) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self.calls += 1
+        with _disable_current_modes():
+            return self.fn(*args)
+
+
+def count_ops(
+    kit: Path, name: str, batch: int, steps: int, as_accelerator: bool, lines: int, compiled: bool = False
+) -> dict[str, Any]:
     """The tensor operations one processor step issues (each one a kernel launch on a GPU), by source line.
 
     Views (slices, reshapes) launch nothing and are counted apart. ``as_accelerator`` applies the choices the
     code makes off the CPU (the solver's λ per level, one softmax block), so the count on a CPU is the GPU's.
+    ``compiled``: the step under ``torch.compile`` (the kernel's ``compile="default"``); launches are the eager
+    operations around it plus the kernels inductor generated for it (``torch._inductor.metrics``) per call. On a
+    CPU those are inductor's C++ kernels, which fuse as its GPU kernels do but not always alike: a proxy there.
     """
+    import os
+
     import narrative_gravity.gravity.solve as schedule
     import narrative_gravity.gravity.thermo as thermo
+
+    if compiled:
+        os.environ["NARRATIVE_GRAVITY_COMPILE"] = "default"
 
     programs = torch.load(kit / "programs.pt", weights_only=False)
     if name not in programs:
@@ -350,17 +375,37 @@ def count_ops(kit: Path, name: str, batch: int, steps: int, as_accelerator: bool
         out = proc(ids, scores.clone())
         return torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
 
-    for scores_i in scores[:steps]:  # warm-up: tables are built and uploaded once
+    inductor = None
+    if compiled:
+        import torch._inductor.metrics as inductor
+
+        start, before = time.perf_counter(), inductor.generated_kernel_count
+    for scores_i in scores[:steps]:  # warm-up: tables are built and uploaded once (and the step compiled)
         ids = step(ids, scores_i)
+    calls = None
+    if inductor is not None:
+        kernels = inductor.generated_kernel_count - before
+        print(f"compiled in {time.perf_counter() - start:.1f} s (warm-up included): {kernels} kernels generated")
+        calls = proc.kernel._compiled = CompiledCalls(proc.kernel._compiled)
     with OpCounter() as counter:
         for scores_i in scores[steps:]:
             ids = step(ids, scores_i)
     total = sum(counter.ops.values()) / steps
-    print(f"{name}, batch {batch}{' (as on an accelerator)' if as_accelerator else ''}: {total:.0f} operations a step")
+    where = " (as on an accelerator)" if as_accelerator else ""
+    result = {"operations_per_step": total, "views_per_step": counter.views / steps}
+    if calls is not None:
+        per_step = calls.calls / steps
+        launches = total + per_step * kernels
+        print(f"{name}, batch {batch}{where}, compiled: {launches:.0f} launches a step")
+        print(f"  {total:.0f} eager operations around the compiled step, and {per_step:.0f} call(s) of it with "
+              f"{kernels} inductor kernels")  # fmt: skip
+        result.update(launches_per_step=launches, inductor_kernels=kernels, compiled_calls_per_step=per_step)
+    else:
+        print(f"{name}, batch {batch}{where}: {total:.0f} launches a step (operations)")
     print(f"  and {counter.views / steps:.0f} views; the lines that issue the most, per step:")
     for line, n in counter.ops.most_common(lines):
         print(f"  {n / steps:6.1f}  {line}")
-    return {"operations_per_step": total, "views_per_step": counter.views / steps}
+    return result
 
 
 def run(
@@ -423,13 +468,14 @@ def main() -> None:
     o.add_argument("--steps", type=int, default=10)
     o.add_argument("--as-accelerator", action="store_true", help="the choices the code makes off the CPU")
     o.add_argument("--lines", type=int, default=15, help="how many source lines to list")
+    o.add_argument("--compiled", action="store_true", help="the step under torch.compile (launches: eager + inductor)")
     args = parser.parse_args()
     if args.cmd == "prepare":
         prepare(args.kit)
     elif args.cmd == "ops":
         if not (args.kit / "programs.pt").is_file():
             sys.exit(f"no kit at {args.kit}: make it first with `python bench/gpu_check.py prepare --kit {args.kit}`")
-        count_ops(args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines)
+        count_ops(args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines, args.compiled)
     else:
         run(args.kit, args.json, args.steps, args.batch_sizes, args.new_tokens, args.rounds, args.only)
 
