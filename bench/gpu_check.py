@@ -109,7 +109,8 @@ export PYTHONPATH="$PWD/src${{PYTHONPATH:+:$PYTHONPATH}}"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 {{
   for profile in "topic default" "topic + required words"; do
-    python3 bench/gpu_check.py ops --kit {kit} --profile "$profile" --batch 8 --as-accelerator
+    python3 bench/gpu_check.py ops --kit {kit} --profile "$profile" --batch 8 --device cuda
+    python3 bench/gpu_check.py ops --kit {kit} --profile "$profile" --batch 8 --device cuda --compiled
   done
   python3 bench/gpu_check.py run --kit {kit} --json "$OUT/gpu_check.json"
 }} 2>&1 | tee "$OUT/gpu_check.log"
@@ -340,7 +341,14 @@ class CompiledCalls:
 
 
 def count_ops(
-    kit: Path, name: str, batch: int, steps: int, as_accelerator: bool, lines: int, compiled: bool = False
+    kit: Path,
+    name: str,
+    batch: int,
+    steps: int,
+    as_accelerator: bool,
+    lines: int,
+    compiled: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The tensor operations one processor step issues (each one a kernel launch on a GPU), by source line.
 
@@ -348,7 +356,8 @@ def count_ops(
     code makes off the CPU (the solver's λ per level, one softmax block), so the count on a CPU is the GPU's.
     ``compiled``: the step under ``torch.compile`` (the kernel's ``compile="default"``); launches are the eager
     operations around it plus the kernels inductor generated for it (``torch._inductor.metrics``) per call. On a
-    CPU those are inductor's C++ kernels, which fuse as its GPU kernels do but not always alike: a proxy there.
+    CPU those are inductor's C++ kernels, which fuse as its GPU kernels do but not always alike: a proxy there;
+    ``device="cuda"`` counts its Triton kernels.
     """
     import os
 
@@ -368,8 +377,8 @@ def count_ops(
     vocab = programs[name]["program"].fields[0].vocab_size
     proc = _processor(programs[name], 4 * steps + 64)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, 24), generator=gen)
-    scores = [torch.randn(batch, vocab, generator=gen) * 3 for _ in range(2 * steps)]
+    ids = torch.randint(0, vocab, (batch, 24), generator=gen).to(device)
+    scores = [(torch.randn(batch, vocab, generator=gen) * 3).to(device) for _ in range(2 * steps)]
 
     def step(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         out = proc(ids, scores.clone())
@@ -469,13 +478,18 @@ def main() -> None:
     o.add_argument("--as-accelerator", action="store_true", help="the choices the code makes off the CPU")
     o.add_argument("--lines", type=int, default=15, help="how many source lines to list")
     o.add_argument("--compiled", action="store_true", help="the step under torch.compile (launches: eager + inductor)")
+    o.add_argument("--device", default="cpu", help="where the logits live (cuda: inductor's GPU kernels)")
     args = parser.parse_args()
     if args.cmd == "prepare":
         prepare(args.kit)
     elif args.cmd == "ops":
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            sys.exit("no CUDA device here: count with --device cpu --as-accelerator, or run this on a GPU machine")
         if not (args.kit / "programs.pt").is_file():
             sys.exit(f"no kit at {args.kit}: make it first with `python bench/gpu_check.py prepare --kit {args.kit}`")
-        count_ops(args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines, args.compiled)
+        count_ops(
+            args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines, args.compiled, args.device
+        )
     else:
         run(args.kit, args.json, args.steps, args.batch_sizes, args.new_tokens, args.rounds, args.only)
 
