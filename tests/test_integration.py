@@ -75,7 +75,7 @@ def test_measure_only_control_is_plain_decoding(smollm2, profile):
 
 def test_gravity_raises_the_narrative_token_rate(smollm2, profile):
     # the pull alone: the classic constant lexical pull and no topic sentence (the chat default's sentence turns
-    # the text by prompt and holds the pull to 0.12 nats a step, so this rate is not its measure)
+    # the text by prompt and holds the pull to 0.05 nats a step, so this rate is not its measure)
     model, tok = smollm2
     pull = Profile.from_mapping(
         {**profile.model_dump(exclude={"field", "thermostat", "lead"}), "schedule": "constant", "lead": False}

@@ -147,7 +147,10 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     >>> read = reading_profile(p, raw=True).thermostat
     >>> p.thermostat.kl_budget, read.kl_budget, read.kl_budget_steps, read.late_kl_budget
     (None, 0.05, 128, 0.3)
-    >>> reading_profile(p, raw=False).thermostat.kl_budget  # in chat: lead.chat {words: 3, kl_budget: 0.12}
+    >>> reading_profile(p, raw=False).thermostat.kl_budget  # in chat: lead.chat {words: 3}, the lead's budget
+    0.05
+    >>> r = Profile(core_semantics=["orbit"], lead={"chat": {"words": 3, "kl_budget": 0.12}})
+    >>> reading_profile(r, raw=False).thermostat.kl_budget  # a budget of its own in chat
     0.12
     >>> q = Profile(core_semantics=["orbit"], lead={"chat": False})
     >>> reading_profile(q, raw=False) is q  # no sentence in chat: the pull as without one
