@@ -27,6 +27,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ..engines.options import check_device_for
 from ..errors import NarrativeGravityError
 from ..models import load_model, load_tokenizer, resolve_device, resolve_model
 from ..profiles.schema import Profile, load_profile
@@ -284,11 +285,9 @@ def tokenizer(model: str | None) -> Any:
 def check_device(engine: str, device: str) -> None:
     """One error line where ``device`` cannot be used: any but ``cpu`` with the vLLM engine (it places the model
     itself), or one this machine lacks (checked before anything loads)."""
-    if engine == "vllm":
-        if device != "cpu":
-            fail("--device is for the transformers engine; vLLM places the model on its own device (drop --device)")
-        return
-    guarded(lambda: resolve_device(device))  # imports torch: only once the command runs
+    guarded(lambda: check_device_for(engine, device))
+    if engine == "hf":
+        guarded(lambda: resolve_device(device))  # imports torch: only once the command runs
 
 
 def vllm_engine() -> ModuleType:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["ENGINES", "GREEDY_BELOW", "GenerationOptions", "check_engine"]
+__all__ = ["ENGINES", "GREEDY_BELOW", "GenerationOptions", "check_device_for", "check_engine"]
 
 ENGINES = ("hf", "vllm")
 GREEDY_BELOW = 1e-5
@@ -34,6 +34,23 @@ def check_engine(engine: str) -> None:
     """
     if engine not in ENGINES:
         raise ConfigurationError(f"--engine must be {' or '.join(ENGINES)}, got {engine!r}")
+
+
+def check_device_for(engine: str, device: str) -> None:
+    """Refuse a device that is not a name, or any but ``cpu`` with the vLLM engine (vLLM places the model itself).
+    Whether this machine has it is :func:`narrative_gravity.models.resolve_device`'s to say.
+
+    >>> check_device_for("vllm", "cuda")
+    Traceback (most recent call last):
+    ...
+    narrative_gravity.errors.ConfigurationError: --device is for the transformers engine; vLLM places the model on its own device (drop --device)
+    """
+    if not isinstance(device, str) or not device.strip():
+        raise ConfigurationError(f"`device` has to be a name such as 'cpu', 'cuda' or 'auto', but is {device!r}")
+    if engine == "vllm" and device != "cpu":
+        raise ConfigurationError(
+            "--device is for the transformers engine; vLLM places the model on its own device (drop --device)"
+        )
 
 
 def _whole(name: str, value: Any, low: int) -> None:
@@ -86,10 +103,7 @@ class GenerationOptions:
             )
         _whole("batch_size", self.batch_size, 1)
         check_engine(self.engine)
-        if not isinstance(self.device, str) or not self.device:
-            raise ConfigurationError(
-                f"`device` has to be a name such as 'cpu', 'cuda' or 'auto', but is {self.device!r}"
-            )
+        check_device_for(self.engine, self.device)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engines.options import check_engine
+from ..engines.options import check_device_for, check_engine
 from ..errors import ConfigurationError
 from ..profiles.schema import TOPIC_DEFAULTS, Profile, load_profile
 from .judge import DEFAULT_JUDGE
@@ -78,12 +78,7 @@ class EvalSettings:
                 f"got {self.chat_frame!r}"
             )
         check_engine_arms(self.profiles, self.engine)
-        if not isinstance(self.device, str) or not self.device.strip():
-            raise ConfigurationError(f"--device has to name a device such as cpu, cuda or auto, but is {self.device!r}")
-        if self.engine == "vllm" and self.device != "cpu":
-            raise ConfigurationError(
-                "--device is for the transformers engine; vLLM places the model on its own device (drop --device)"
-            )
+        check_device_for(self.engine, self.device)
 
     @property
     def raw_mode(self) -> bool:
