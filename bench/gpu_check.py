@@ -326,18 +326,42 @@ def _cost_at(
 
 
 class CompiledCalls:
-    """Wraps a kernel's compiled step: counts its calls, and runs it outside any dispatch mode (torch.compile
-    refuses to run under one), so that :class:`OpCounter` sees only the eager operations around it."""
+    """Wraps one of the kernel's compiled functions: counts its calls and the inductor kernels it generated,
+    and runs it outside any dispatch mode (torch.compile refuses to run under one), so that :class:`OpCounter`
+    sees only the eager operations around it."""
 
-    def __init__(self, fn: Any) -> None:
-        self.fn, self.calls = fn, 0
+    def __init__(self, fn: Any, name: str) -> None:
+        self.fn, self.name, self.calls, self.kernels = fn, name, 0, 0
 
     def __call__(self, *args: Any) -> Any:
+        import torch._inductor.metrics as inductor
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.calls += 1
+        before = inductor.generated_kernel_count
         with _disable_current_modes():
-            return self.fn(*args)
+            out = self.fn(*args)
+        self.kernels = max(self.kernels, inductor.generated_kernel_count - before)  # the call that compiled
+        return out
+
+
+def _count_compiled_calls() -> list[CompiledCalls]:
+    """Wrap the kernel's compiled functions (the step; the state update and the step) as they are made."""
+    import narrative_gravity.gravity.kernel as kernel
+
+    wrapped: list[CompiledCalls] = []
+    for name in ("compiled_step", "compiled_advance_step"):
+        make = getattr(kernel, name)
+
+        def patched(mode: str = "default", make: Any = make, name: str = name) -> CompiledCalls:
+            mine = [w for w in wrapped if w.name == name]
+            if not mine:
+                mine = [CompiledCalls(make(mode), name)]
+                wrapped.extend(mine)
+            return mine[0]
+
+        setattr(kernel, name, patched)
+    return wrapped
 
 
 def count_ops(
@@ -376,6 +400,8 @@ def count_ops(
         thermo.block_rows = lambda logits: max(logits.shape[0], 1)  # type: ignore[assignment]
     vocab = programs[name]["program"].fields[0].vocab_size
     proc = _processor(programs[name], 4 * steps + 64)
+    if as_accelerator:  # the NaN flag as off the CPU: kept on the device, read back once every 16 steps
+        proc.nan_check_every = 16
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, 24), generator=gen).to(device)
     scores = [(torch.randn(batch, vocab, generator=gen) * 3).to(device) for _ in range(2 * steps)]
@@ -384,31 +410,30 @@ def count_ops(
         out = proc(ids, scores.clone())
         return torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
 
-    inductor = None
-    if compiled:
-        import torch._inductor.metrics as inductor
-
-        start, before = time.perf_counter(), inductor.generated_kernel_count
+    wrapped = _count_compiled_calls() if compiled else []
+    start = time.perf_counter()
     for scores_i in scores[:steps]:  # warm-up: tables are built and uploaded once (and the step compiled)
         ids = step(ids, scores_i)
-    calls = None
-    if inductor is not None:
-        kernels = inductor.generated_kernel_count - before
-        print(f"compiled in {time.perf_counter() - start:.1f} s (warm-up included): {kernels} kernels generated")
-        calls = proc.kernel._compiled = CompiledCalls(proc.kernel._compiled)
+    for w in wrapped:
+        print(f"{w.name}: compiled with {w.kernels} inductor kernels ({time.perf_counter() - start:.1f} s of warm-up)")
+        w.calls = 0
     with OpCounter() as counter:
         for scores_i in scores[steps:]:
             ids = step(ids, scores_i)
     total = sum(counter.ops.values()) / steps
     where = " (as on an accelerator)" if as_accelerator else ""
     result = {"operations_per_step": total, "views_per_step": counter.views / steps}
-    if calls is not None:
-        per_step = calls.calls / steps
-        launches = total + per_step * kernels
+    if compiled:
+        inside = sum(w.calls * w.kernels for w in wrapped) / steps
+        launches = total + inside
         print(f"{name}, batch {batch}{where}, compiled: {launches:.0f} launches a step")
-        print(f"  {total:.0f} eager operations around the compiled step, and {per_step:.0f} call(s) of it with "
-              f"{kernels} inductor kernels")  # fmt: skip
-        result.update(launches_per_step=launches, inductor_kernels=kernels, compiled_calls_per_step=per_step)
+        calls = ", ".join(f"{w.calls / steps:.1f} call(s) of {w.name} ({w.kernels} kernels)" for w in wrapped)
+        print(f"  {total:.1f} eager operations around the compiled code, and {inside:.1f} inductor kernels: {calls}")
+        result.update(
+            launches_per_step=launches,
+            inductor_kernels={w.name: w.kernels for w in wrapped},
+            compiled_calls_per_step={w.name: w.calls / steps for w in wrapped},
+        )
     else:
         print(f"{name}, batch {batch}{where}: {total:.0f} launches a step (operations)")
     print(f"  and {counter.views / steps:.0f} views; the lines that issue the most, per step:")

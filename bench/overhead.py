@@ -55,7 +55,7 @@ from common import DEFAULT_PROFILE, PROMPTS, REPO
 
 # product spec: extra share of the per-token decode time (a thermostat profile, such as the topic default,
 # solves for λ at every step and has 2%)
-BUDGETS = {"gravity": 0.01, "gravity+thermo": 0.03}
+BUDGETS = {"gravity": 0.01, "gravity compiled": 0.01, "gravity+thermo": 0.03}
 THERMOSTAT_BUDGET = 0.02
 
 
@@ -66,7 +66,7 @@ class Arm:
     make: Callable[[], Any]  # a fresh processor (or None for plain decoding)
 
 
-def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
+def build_arms(profile: Any, tok: Any, new_tokens: int, compiled: bool = False) -> list[Arm]:
     from transformers import SequenceBiasLogitsProcessor
 
     from narrative_gravity.engines.baselines import ArticleGravityLogitsProcessor
@@ -88,14 +88,27 @@ def build_arms(profile: Any, tok: Any, new_tokens: int) -> list[Arm]:
     bias: dict[tuple[int, ...], float] = {(i,): strength for i in spaced_single(profile.keywords())}
     bias.update({(i,): -strength for i in spaced_single(profile.penalized())})  # penalize wins
 
-    return [
-        Arm("plain", "no processor", lambda: None),
+    ours = [
         Arm(
             "gravity",
             f"ours: the profile's {profile.field.mode} field, {profile.schedule} schedule; thermometer off; "
             "in place, as ngrav runs it",
-            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens, inplace=True),
-        ),
+            lambda: processor_from_profile(profile, tok, max_new_tokens=new_tokens, inplace=True, compile="off"),
+        )
+    ]
+    if compiled:
+        ours.append(
+            Arm(
+                "gravity compiled",
+                "the same, the kernel's state update and step under torch.compile (compile='default')",
+                lambda: processor_from_profile(
+                    profile, tok, max_new_tokens=new_tokens, inplace=True, compile="default"
+                ),
+            )
+        )
+    return [
+        Arm("plain", "no processor", lambda: None),
+        *ours,
         Arm(
             "gravity+thermo",
             "ours, thermometer on (trace=Trace()), in place",
@@ -166,7 +179,10 @@ def end_to_end(
     # warm-up: one short untimed run per (batch, arm); one full plain run per batch for the direct inputs
     for b in batch_sizes:
         for arm in arms:
+            t0 = time.perf_counter()
             generate(model, tok, encs[b], arm.make(), min(8, new_tokens))
+            if arm.name == "gravity compiled":
+                log(f"batch {b}: the compiled arm's first generation took {time.perf_counter() - t0:.1f} s (compiles)")
         _, outputs[b] = generate(model, tok, encs[b], None, new_tokens)
         log(f"batch {b}: warm-up done")
     times: dict[int, dict[str, list[float]]] = {b: {a.name: [] for a in arms} for b in batch_sizes}
@@ -249,7 +265,12 @@ def breakdown(
             token = output_ids[:, prompt_len + c % new_tokens]
             timed("kernel.advance", lambda token=token: kernel.advance(token))
             _, result = timed("kernel.apply", lambda: kernel.apply(scores))
-            timed("nan check", lambda result=result, c=c: proc._check_nan(scores, prompt_len + c, result.finite))
+            timed(
+                "nan check",
+                lambda result=result, c=c: proc._check_nan(
+                    scores, prompt_len + c, result.finite, proc._nan_every(scores)
+                ),
+            )
             timed("kernel.apply + thermometer", lambda: kernel.apply(scores, measure_step=True))
     return {k: median(v[16:]) for k, v in parts.items()}
 
@@ -276,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads (default: leave torch's default). On a shared, loaded machine the default "
         "threads stall in every parallel op; 1 thread keeps the timings proportional",
     )
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="add the arm `gravity compiled`: the kernel under torch.compile (its first call compiles)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.new_tokens < 1 or args.calls < 1 or any(b < 1 for b in args.batch_sizes):
         ap.error("--rounds, --new-tokens, --calls and --batch-sizes must be positive")
@@ -299,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     model, tok = load_model(args.model, dtype=torch.float32)
     profile = load_profile(args.profile)
-    arms = build_arms(profile, tok, args.new_tokens)
+    arms = build_arms(profile, tok, args.new_tokens, compiled=args.compiled)
     log(
         f"model loaded; torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}"
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     "call_share_of_plain_token": median(cs) / plain_med,
                 }
                 budget = BUDGETS.get(arm.name)
-                if arm.name == "gravity" and profile.schedule == "thermostat":
+                if arm.name in ("gravity", "gravity compiled") and profile.schedule == "thermostat":
                     budget = THERMOSTAT_BUDGET
                 if budget is not None:
                     row["budget_share"] = budget

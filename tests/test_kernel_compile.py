@@ -72,6 +72,56 @@ def test_every_program_compiled_equals_eager_with_rows_leaving_and_joining(measu
 
 
 @compiled
+def test_the_state_update_by_row_index_compiled_equals_eager() -> None:
+    """``advance_apply`` with rows by index, as vLLM's adapter drives it: every program side by side, a row
+    leaves, another joins (its first step advances nothing), one row skips a step (``new`` false), and NaN
+    logits are recorded; the compiled graph equals the eager update and step."""
+    programs = _programs()
+    n = len(programs)
+    kernels = _pair(n + 1)
+    for k in kernels:
+        for r, program in enumerate(programs):
+            k.add(r, program, budget=12, prompt=[1, 2, 3])
+    gen = torch.Generator().manual_seed(4)
+    schedule = [np.arange(n)] * 4 + [np.arange(1, n)] * 2 + [np.array([n, *range(1, n)])] * 4
+    nan_steps = [torch.full((n,), -1, dtype=torch.long) for _ in kernels]
+    for t, rows_np in enumerate(schedule):
+        if t == 4:
+            for k in kernels:
+                k.remove(0)
+        if t == 6:
+            for k in kernels:
+                k.add(n, programs[6], budget=9, prompt=[4, 5])
+        b = rows_np.size
+        tokens = torch.randint(0, V, (b,), generator=gen)
+        tokens[: min(b, 2)] = torch.tensor([3, 7])[: min(b, 2)]  # the words stages and requirements wait for
+        new = torch.ones(b, dtype=torch.bool)
+        if t == 6:
+            new[0] = False  # the row that just joined
+        if t == 3:
+            new[2] = False  # a row whose token the kernel already has
+        logits = torch.randn(b, V, generator=gen) * 2
+        if t == 7:
+            logits[1, 5] = float("nan")
+        rows = torch.from_numpy(rows_np)
+        results = []
+        for k, nan_step in zip(kernels, nan_steps, strict=True):
+            mine = nan_step[:b] if b == n else nan_step[1:]
+            results.append(
+                k.advance_apply(tokens, logits.clone(), rows, rows_np, new=new, measure_step=t % 3 == 0, nan_step=mine)
+            )
+        if t == 7:
+            for r in results:
+                r[0][1] = 0.0
+        _same(results[0], results[1], f"step {t}")
+        eager, comp = kernels
+        for name in ("recent", "step", "stage", "start", "seen", "written"):
+            assert torch.equal(getattr(comp, name), getattr(eager, name)), f"step {t}: {name}"
+    assert nan_steps[0].tolist() == nan_steps[1].tolist()
+    assert (nan_steps[0] >= 0).sum() == 1
+
+
+@compiled
 def test_the_transformers_case_compiled_equals_eager_and_pulls_in_place() -> None:
     program = _programs()[2]  # the thermostat, repeat_weight 0
     kernels = _pair(3)
@@ -85,6 +135,43 @@ def test_the_transformers_case_compiled_equals_eager_and_pulls_in_place() -> Non
         _same(results[0], results[1], f"step {t}")
         for k in kernels:
             k.advance(results[0][0].argmax(-1))
+
+
+@compiled
+@pytest.mark.parametrize("index", range(len(_programs())), ids=[p.key for p in _programs()])
+def test_the_state_update_compiled_into_the_step_equals_eager(index: int) -> None:
+    """``advance_apply``: the state update (history, step, said, stage, required words) and the step in one
+    compiled graph give the eager kernel's logits, λ and state at every step, and record the step of a NaN."""
+    program = _programs()[index]
+    kernels = _pair(3)
+    prompts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    for k in kernels:
+        k.add_batch(program, prompts, budget=10)
+    nan_steps = [torch.full((3,), -1, dtype=torch.long) for _ in kernels]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, V, generator=gen) * 2
+    results = [k.apply(logits.clone()) for k in kernels]  # the first step: nothing to advance yet
+    for t in range(1, 9):
+        tokens = results[0][0].argmax(-1)
+        if t in (2, 3):  # the words the stages and requirements wait for, written on row 0
+            tokens[0] = (3, 7)[t - 2]
+        logits = torch.randn(3, V, generator=gen) * 2
+        if t == 5:
+            logits[1, 4] = float("nan")
+        results = [
+            k.advance_apply(tokens, logits.clone(), measure_step=t % 2 == 0, nan_step=n)
+            for k, n in zip(kernels, nan_steps, strict=True)
+        ]
+        if t == 5:  # NaN rows: compare the finite ones
+            for r in results:
+                r[0][1] = 0.0
+        _same(results[0], results[1], f"step {t}")
+        eager, comp = kernels
+        for name in ("recent", "step", "stage", "start", "seen", "written"):
+            assert torch.equal(getattr(comp, name), getattr(eager, name)), f"step {t}: {name}"
+        if eager.said is not None:
+            assert torch.equal(comp.said, eager.said), f"step {t}: said"
+    assert nan_steps[0].tolist() == nan_steps[1].tolist() == [-1, 5, -1]
 
 
 def test_compile_mode_reads_the_argument_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -223,24 +223,38 @@ def test_layouts_agree(tiny_tokenizer: Any, profiles: list[Any]) -> None:
         torch.testing.assert_close(got[i : i + 1], want, **tol)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(data=st.data())
-def test_rows_joining_at_different_steps_equal_their_solo_runs(tiny_tokenizer: Any, data: Any) -> None:
-    """A batch where rows join and leave at any step, with different budgets and profiles (and none): at
-    every step each row's λ and logits equal its run alone through the transformers adapter."""
-    v = len(tiny_tokenizer)
-    proc = _processor(tiny_tokenizer, max_num_reqs=4)
-    prompts = [tiny_tokenizer(t)["input_ids"] for t in ("The crew", "A small moon moves", "Our galaxy")]
+def _grid_unit(profile: dict[str, Any] | None) -> float:
+    """One point of a thermostat row's λ grid (``λ_max / 2^iterations``); 0 for every other row."""
+    if profile is None or Profile.from_mapping(profile).schedule != "thermostat":
+        return 0.0
+    block = profile.get("thermostat", {})
+    return float(block.get("max_strength", 6.0)) / 2 ** int(block.get("iterations", 14))
+
+
+def _join_and_leave(tokenizer: Any, draw: Any) -> None:
+    """Rows join and leave a batch at the steps ``draw`` picks; at every step each row's λ and logits equal its
+    run alone through the transformers adapter.
+
+    ``draw(strategy, label)`` is hypothesis' ``data.draw``, or a script of the same draws. A thermostat row may
+    land on the neighbouring point of its λ grid, and nowhere further: the kernel keeps every program's field
+    on one support, the union of them all, and the solver's float32 sums over another support round
+    differently. Where its mass target or KL budget falls within that rounding of a grid point, the two runs
+    pick its two sides (:func:`test_a_thermostat_row_at_a_kl_budget_tie` replays such a case)."""
+    v = len(tokenizer)
+    proc = _processor(tokenizer, max_num_reqs=4)
+    prompts = [tokenizer(t)["input_ids"] for t in ("The crew", "A small moon moves", "Our galaxy")]
     live: dict[int, dict[str, Any]] = {}  # batch index -> request
-    n_steps = data.draw(st.integers(4, 9), label="steps")
+    n_steps = draw(st.integers(4, 9), "steps")
+    # the logits come from a drawn seed, so that hypothesis replays (and shrinks) a failing example
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1), "seed"))
     for _ in range(n_steps):
         free = [i for i in range(4) if i not in live]
         added = []
-        if free and data.draw(st.booleans(), label="join"):
+        if free and draw(st.booleans(), "join"):
             req = {
-                "profile": data.draw(st.sampled_from([None, *KINDS]), label="profile"),
-                "prompt": data.draw(st.sampled_from(prompts), label="prompt"),
-                "budget": data.draw(st.integers(3, 12), label="budget"),
+                "profile": draw(st.sampled_from([None, *KINDS]), "profile"),
+                "prompt": draw(st.sampled_from(prompts), "prompt"),
+                "budget": draw(st.integers(3, 12), "budget"),
                 "out": [],
                 "logits": [],
             }
@@ -259,11 +273,11 @@ def test_rows_joining_at_different_steps_equal_their_solo_runs(tiny_tokenizer: A
                 live[dst] = live.pop(src)
                 moved.append((src, dst, MoveDirectionality.UNIDIRECTIONAL))
         proc.update_state(BatchUpdate(batch_size=len(live), removed=done, added=added, moved=moved))
-        logits = torch.randn(len(live), v) * 2
+        logits = torch.randn(len(live), v, generator=gen) * 2
         got = proc.apply(logits.clone())
         for i, req in live.items():
             want, lam = _solo(
-                tiny_tokenizer,
+                tokenizer,
                 req["profile"],
                 req["prompt"],
                 req["out"],
@@ -271,11 +285,36 @@ def test_rows_joining_at_different_steps_equal_their_solo_runs(tiny_tokenizer: A
                 req["budget"],
                 req["logits"],
             )
-            torch.testing.assert_close(got[i : i + 1], want, msg=f"row {i}: {req['profile']}")
+            unit = _grid_unit(req["profile"])
             got_lam = 0.0 if proc.last_strength is None else float(proc.last_strength[i])
-            assert got_lam == pytest.approx(lam, abs=1e-5), f"row {i}: {req['profile']}"
+            # the same grid point, or its neighbour (|a| <= 1: the logits move by at most one unit)
+            assert abs(got_lam - lam) <= unit * 1.001 + 1e-5, f"row {i}: {req['profile']}: λ {got_lam} != {lam}"
+            tol = {"atol": unit * 1.001 + 1e-5, "rtol": 1e-5} if unit else {}
+            torch.testing.assert_close(got[i : i + 1], want, msg=f"row {i}: {req['profile']}", **tol)
             req["logits"].append(logits[i : i + 1])
             req["out"].append(int(torch.argmax(got[i])))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_rows_joining_at_different_steps_equal_their_solo_runs(tiny_tokenizer: Any, data: Any) -> None:
+    """A batch where rows join and leave at any step, with different budgets and profiles (and none): at
+    every step each row's λ and logits equal its run alone through the transformers adapter."""
+    _join_and_leave(tiny_tokenizer, lambda strategy, label: data.draw(strategy, label=label))
+
+
+def test_a_thermostat_row_at_a_kl_budget_tie(tiny_tokenizer: Any) -> None:
+    """A case a random run found: a row with a KL budget of 0.02 whose cost at one grid point of λ is 0.019999953
+    nats (float64), 2.4e-6 of the budget below it. Alone the row takes the next point, 3.138733; in the batch,
+    whose support also holds a finished request's field, the float32 sums round the other way and it takes
+    3.138474. Every other row and step is exact; this one is one grid point off, as the tolerance allows."""
+    prompt = tiny_tokenizer("The crew")["input_ids"]
+    joins = [True, None, prompt, 4, True, None, prompt, 5, False]
+    joins += [True, P_ORBIT, prompt, 3, True, P_LATE_BUDGET, prompt, 3, False, False]
+    script = iter([7, 1017716, *joins])  # steps, seed, then each step's draws
+
+    _join_and_leave(tiny_tokenizer, lambda strategy, label: next(script))
+    assert next(script, "end") == "end"
 
 
 @pytest.mark.skipif(_V2LogitsProcessor is None, reason="this vLLM has no Model Runner V2 interface")

@@ -25,7 +25,7 @@ from transformers import LogitsProcessor
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..gravity.controllers import ConstantController, ScheduleController, StepContext, StrengthController
 from ..gravity.field import NarrativeField
-from ..gravity.kernel import GravityKernel, Program
+from ..gravity.kernel import GravityKernel, Program, compile_mode
 from ..gravity.schedule import COLUMNS
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
@@ -64,6 +64,9 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             ``[B, V]`` a step). ``model.generate`` hands every processor its own float32 copy of the logits,
             so this is safe there, except that ``output_logits=True`` then records the pulled scores. Off by
             default; ``ngrav`` turns it on (narrative_gravity.engines.hf.processor_from_profile's ``inplace``).
+        compile: the kernel's step mode (:data:`~narrative_gravity.gravity.kernel.COMPILE_MODES`): ``"off"``
+            (eager), ``"default"`` (``torch.compile``: the state update and the step as one graph) or
+            ``"reduce-overhead"`` (the same as CUDA graphs); ``None`` reads ``NARRATIVE_GRAVITY_COMPILE``.
 
     By default scores are returned as a new tensor and the input is never modified.
 
@@ -86,6 +89,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         measure_only: bool = False,
         nan_check_every: int | None = None,
         inplace: bool = False,
+        compile: str | None = None,
     ) -> None:
         program = field if isinstance(field, Program) else None
         if program is None and not isinstance(field, NarrativeField):
@@ -118,6 +122,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
         self.measure_only = measure_only
         self.nan_check_every = nan_check_every
         self.inplace = bool(inplace)
+        self.compile = compile_mode(compile)
         self._builtin = isinstance(controller, ScheduleController)
         schedule = controller.schedule(len(controller._rows))[0] if self._builtin else np.zeros(len(COLUMNS))
         if program is None:
@@ -177,12 +182,27 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
             )
         b = input_ids.shape[0]
         if self.kernel is None or self.kernel.capacity < b or self.kernel.device != input_ids.device:
-            self.kernel = GravityKernel(max(b, 1), input_ids.device)
+            self.kernel = GravityKernel(max(b, 1), input_ids.device, compile=self.compile)
         schedules = self.controller.schedule(b) if self._builtin else None
         self.kernel.add_batch(self.program, input_ids, budget=self.max_new_tokens, schedules=schedules)
 
-    def _check_nan(self, scores: torch.Tensor, step: int, finite: torch.Tensor | None) -> None:
-        every = self.nan_check_every or (1 if scores.device.type == "cpu" else 16)
+    def _nan_every(self, scores: torch.Tensor) -> int:
+        """How often the NaN flag is read back: ``nan_check_every``, else every step on the CPU, every 16 off it."""
+        return self.nan_check_every or (1 if scores.device.type == "cpu" else 16)
+
+    def _nan_steps(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each row's first step with a NaN logit (-1: none yet), kept on the device between read-backs."""
+        first = self._first_nan_step
+        if first is None or first.shape[0] != scores.shape[0]:
+            first = self._first_nan_step = torch.full((scores.shape[0],), -1, dtype=torch.long, device=scores.device)
+        return first
+
+    def _check_nan(
+        self, scores: torch.Tensor, step: int, finite: torch.Tensor | None, every: int, *, tracked: bool = False
+    ) -> None:
+        """Raise on NaN logits: every step from the finite flag (one device read), or, with ``every > 1``, from
+        each row's first NaN step, kept on the device (``tracked``: the kernel's step wrote it) and read back
+        once every ``every`` steps."""
         if every == 1:
             # One read-only reduction per row (or the thermostat's softmax, which has read every logit
             # already); the exact (full-size) check runs only when a row is not finite, which also happens
@@ -193,11 +213,10 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 if bool(rows_nan.any()):
                     self._raise_nan(rows_nan, torch.full_like(rows_nan, step, dtype=torch.long))
             return
-        rows_nan = torch.isnan(scores).any(dim=-1)
-        first = self._first_nan_step
-        if first is None or first.shape[0] != rows_nan.shape[0]:
-            first = torch.full(rows_nan.shape, -1, dtype=torch.long, device=scores.device)
-        self._first_nan_step = torch.where((first < 0) & rows_nan, step, first)
+        if not tracked:
+            rows_nan = torch.isnan(scores).any(dim=-1)
+            first = self._nan_steps(scores)
+            self._first_nan_step = torch.where((first < 0) & rows_nan, step, first)
         if step % every == every - 1 and bool((self._first_nan_step >= 0).any()):
             self._raise_nan(self._first_nan_step >= 0, self._first_nan_step)
 
@@ -216,9 +235,8 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 f"and {tuple(scores.shape)}"
             )
         length = input_ids.shape[-1]
-        if self._continues(input_ids):
-            self.kernel.advance(input_ids[:, -1])
-        else:
+        continues = self._continues(input_ids)
+        if not continues:
             self._start(input_ids, scores.shape[-1])
         self._last_len = length
         step = length - self._prompt_len
@@ -237,14 +255,25 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                 )
                 return self.controller(ctx)
 
-        out, result = self.kernel.apply(
-            scores,
-            measure_step=self.trace is not None,
-            measure_only=self.measure_only,
-            strength=strength,
-            inplace=self.inplace,
-        )
-        self._check_nan(scores, step, result.finite)
+        every = self._nan_every(scores)
+        if continues and strength is None and not self.measure_only:
+            # the state update and the step in one call: one graph when the kernel is compiled
+            nan_step = self._nan_steps(scores) if every > 1 else None
+            out, result = self.kernel.advance_apply(
+                input_ids[:, -1], scores, measure_step=self.trace is not None, inplace=self.inplace, nan_step=nan_step
+            )
+        else:
+            if continues:
+                self.kernel.advance(input_ids[:, -1])
+            nan_step = None
+            out, result = self.kernel.apply(
+                scores,
+                measure_step=self.trace is not None,
+                measure_only=self.measure_only,
+                strength=strength,
+                inplace=self.inplace,
+            )
+        self._check_nan(scores, step, result.finite, every, tracked=nan_step is not None)
         self.last_strength = result.strength
         if self.trace is not None:
             self.trace.record(result.measurement)
@@ -260,13 +289,14 @@ def processor_from_profile(
     measure_only: bool = False,
     model: Any = None,
     inplace: bool = False,
+    compile: str | None = None,
 ) -> NarrativeGravityLogitsProcessor:
     """A :class:`NarrativeGravityLogitsProcessor` for ``model.generate`` (``narrative_gravity.processor``).
 
     The profile's :func:`~narrative_gravity.profiles.build.program_from_profile`: its field, or its ``stages``
     (whose shares divide ``max_new_tokens``). ``measure_only`` always measures against the profile's own field.
     ``model`` is needed only for a semantic field built from the generator's own embeddings. ``inplace``: pull
-    the scores where they are (see :class:`NarrativeGravityLogitsProcessor`).
+    the scores where they are, and ``compile`` the kernel's step mode (see :class:`NarrativeGravityLogitsProcessor`).
     """
     controller = controller_from_profile(profile)
     program = program_from_profile(profile, tokenizer, model=model, controller=controller)
@@ -277,5 +307,11 @@ def processor_from_profile(
     if measure_only:  # the control run measures against the profile's own field, and pulls nothing
         program = dataclasses.replace(program, stages=None, requirement=None)
     return NarrativeGravityLogitsProcessor(
-        program, controller, max_new_tokens=max_new_tokens, trace=trace, measure_only=measure_only, inplace=inplace
+        program,
+        controller,
+        max_new_tokens=max_new_tokens,
+        trace=trace,
+        measure_only=measure_only,
+        inplace=inplace,
+        compile=compile,
     )

@@ -225,6 +225,9 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         # history is read from the request state on their first step.
         self._outputs: list[list[int] | None] = [None] * max_num_reqs
         self._seen = np.zeros(max_num_reqs, dtype=np.int64)
+        # the newest tokens (V2: and the rows they are new on), advanced with the step in `apply`
+        self._tokens: torch.Tensor | None = None
+        self._new: torch.Tensor | None = None
         self._fresh = np.zeros(max_num_reqs, dtype=bool)
         self._trace_ids: list[str | None] = [None] * max_num_reqs
         self._batch_size = 0
@@ -300,9 +303,15 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         measure = self.on_step is not None or self.on_measure is not None or bool(traced)
         # vLLM hands its float32 logits over (its own processors write into them too); the kernel copies only
         # where its measurement needs the unpulled logits, and an `on_step` hook is promised them
-        out, result = self.kernel.apply(
-            logits, logits_rows, rows_np, measure_step=measure, inplace=self.on_step is None
-        )
+        tokens, new, self._tokens, self._new = self._tokens, self._new, None, None
+        if tokens is not None:  # the state update and the step in one call (one graph, compiled)
+            out, result = self.kernel.advance_apply(
+                tokens, logits, logits_rows, rows_np, new=new, measure_step=measure, inplace=self.on_step is None
+            )
+        else:
+            out, result = self.kernel.apply(
+                logits, logits_rows, rows_np, measure_step=measure, inplace=self.on_step is None
+            )
         self.last_strength = result.strength
         if traced:  # one read back per step, only while some request asked for its trace
             values = result.measurement.stack()[[i for i, _ in traced]].tolist()
@@ -374,8 +383,8 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         lengths = np.fromiter((len(self._outputs[i]) for i in live), dtype=np.int64, count=live.size)
         grown = lengths - self._seen[live]
         if live.size == b == logits.shape[0] and (grown == 1).all():  # the usual step: all rows, one token each
-            tokens = [self._outputs[i][-1] for i in range(b)]
-            self.kernel.advance(torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True))
+            tokens = [self._outputs[i][-1] for i in range(b)]  # advanced with the step, in `apply`
+            self._tokens = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         else:
             for k in range(int(grown.max(initial=0))):  # one token a step; more only if a step was skipped
                 rows = live[grown > k]
@@ -411,10 +420,10 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             self.kernel.add(slot, program, budget=budget, prompt=seq[:n_prompt], output=seq[n_prompt:])
             self._fresh[slot] = False
         steps = (pos + 1 - rs.prompt_len.gpu[slots].long()).clamp_min(0)
-        rows = torch.from_numpy(np.flatnonzero(gravity & ~fresh)).to(self.device, non_blocking=True)
-        if rows.numel():
-            s = slots[rows]
-            self.kernel.advance(ctx.input_ids[rows].long(), s, new=steps[rows] > self.kernel.step[s])
+        known = gravity & ~fresh  # rows whose newest token the kernel may not have yet: advanced with the step
+        if known.any():
+            known_t = torch.from_numpy(known).to(self.device, non_blocking=True)
+            self._tokens, self._new = ctx.input_ids.long(), known_t & (steps > self.kernel.step[slots])
         return slots, slots_np
 
 

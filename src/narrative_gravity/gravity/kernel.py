@@ -31,7 +31,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -187,6 +187,7 @@ class GravityKernel:
         self.max_idle = max_idle
         self.compile = compile_mode(compile)
         self._compiled: Callable[..., tuple[torch.Tensor, StepResult]] | None = None
+        self._compiled_advance: Callable[..., tuple[torch.Tensor, StepResult]] | None = None
         self._row_range: torch.Tensor | None = None
         # the solver's grid bits when compiled: fixed (the answer does not depend on them), so that the batch
         # size never changes the compiled code; 7 bits = 2 levels for the default 14 iterations
@@ -551,6 +552,77 @@ class GravityKernel:
             )
         )
 
+    def advance_apply(
+        self,
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        rows_np: np.ndarray | None = None,
+        *,
+        new: torch.Tensor | None = None,
+        measure_step: bool = False,
+        inplace: bool = False,
+        nan_step: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, StepResult]:
+        """One decoding step: the rows of ``logits [B, V]`` generated ``tokens [B]`` (:meth:`advance`; with
+        ``new``, bool per row, only where it is true), then gravity on ``logits`` (:meth:`apply`; ``rows`` and
+        ``rows_np`` as there). Compiled, the state update and the step run as one graph, so the update
+        launches no eager operations of its own.
+
+        ``nan_step`` (``[B]`` long, -1 where none yet) receives each row's first step whose logits held a NaN,
+        on the device, for the caller to read back when it chooses.
+
+        >>> from narrative_gravity.gravity.field import NarrativeField
+        >>> from narrative_gravity.gravity.controllers import ConstantController
+        >>> field = NarrativeField(values=torch.tensor([0.0, 1.0, 0.0, -1.0]))
+        >>> program = Program(field=field, schedule=ConstantController(2.0).schedule(1)[0])
+        >>> kernel = GravityKernel(1)
+        >>> kernel.add_batch(program, torch.tensor([[2]]), budget=8)
+        >>> out, result = kernel.advance_apply(torch.tensor([1]), torch.zeros(1, 4))
+        >>> out.tolist(), kernel.step.tolist(), kernel.recent[0, -1].item()
+        ([[0.0, 2.0, 0.0, -2.0]], [1], 1)
+        """
+        if self.compile == "off":
+            bad = None if nan_step is None else torch.isnan(logits).any(dim=-1)  # before an in-place pull
+            self.advance(tokens, rows, new)
+            if bad is not None:
+                step = self.step[: logits.shape[0]] if rows is None else self.step[rows]
+                nan_step.copy_(torch.where((nan_step < 0) & bad, step, nan_step))
+            return self.apply(logits, rows, rows_np, measure_step=measure_step, inplace=inplace)
+        b, vocab = logits.shape
+        if rows is None:
+            plan_rows: torch.Tensor | slice = slice(0, b)
+            rows, rows_np = self._row_ids(b), np.arange(b)
+        else:
+            plan_rows = rows
+            if rows_np is None:
+                rows_np = rows.cpu().numpy()
+        self._vocab = vocab
+        bank = self._bank_for(vocab, logits.dtype)
+        plan = self._plan(bank, plan_rows, rows_np)
+        dev = self._upload(bank)
+        said = self._said(vocab) if plan.repeat is not None and plan.said_index is not None else self.said
+        state = _State(self.recent, self.step, self.stage, said, self.written, dev["budget"])
+        adv = _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
+        if self._compiled_advance is None:
+            self._compiled_advance = compiled_advance_step(self.compile)
+        return self._compiled_advance(
+            bank,
+            plan,
+            logits,
+            rows,
+            state,
+            adv,
+            tokens.to(self.device).long(),
+            new,
+            bool(self.last_stage.any()),
+            bool(self.requires.any()),
+            measure_step,
+            inplace,
+            self._bits,
+            nan_step,
+        )
+
     def _compiled_step(
         self, strength: Callable[[torch.Tensor], torch.Tensor] | None, measure_only: bool
     ) -> Callable[..., tuple[torch.Tensor, StepResult]] | None:
@@ -763,6 +835,98 @@ class _State(NamedTuple):
     budget: torch.Tensor  # [capacity]
 
 
+class _Advance(NamedTuple):
+    """The per-row device state the state update reads and writes besides :class:`_State` (whole tables)."""
+
+    start: torch.Tensor  # [capacity] the step each row's stage began
+    seen: torch.Tensor  # [capacity, W] the words of its current stage generated so far
+    first: torch.Tensor  # [capacity] the field row of its first stage
+    last: torch.Tensor  # [capacity] its last stage
+    require: torch.Tensor  # [capacity] its requirement (``len(requirements)``: none)
+
+
+def _advance_tensors(
+    bank: _Bank,
+    state: _State,
+    adv: _Advance,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    new: torch.Tensor | None,
+    staged: bool,
+    requires: bool,
+) -> None:
+    """``rows`` generated ``tokens`` (with ``new``, bool per row, only where it is true): each row's history,
+    step, what it has said, its stage and the required words it has written, updated in place on the whole
+    tables by row index. What :meth:`GravityKernel.advance` does, as tensors with no host decision, so that it
+    compiles into the same graph as the step."""
+    before = state.recent.index_select(0, rows)
+    recent = torch.cat([before[:, 1:], tokens[:, None]], dim=1)
+    step = state.step.index_select(0, rows)
+    if new is None:
+        step = step + 1
+    else:
+        recent = torch.where(new[:, None], recent, before)
+        step = step + new.long()
+    state.recent.index_copy_(0, rows, recent)
+    state.step.index_copy_(0, rows, step)
+    if state.said is not None:
+        ids = tokens.clamp(0, state.said.shape[1] - 1)
+        said = torch.ones_like(ids, dtype=torch.bool) if new is None else state.said[rows, ids] | new
+        state.said.index_put_((rows, ids), said)
+    if staged:
+        stage, start, seen = advance_stages(
+            state.stage.index_select(0, rows),
+            adv.start.index_select(0, rows),
+            adv.seen.index_select(0, rows),
+            step,
+            state.budget.index_select(0, rows),
+            recent,
+            adv.first.index_select(0, rows),
+            adv.last.index_select(0, rows),
+            bank.share,
+            bank.need,
+            bank.forms,
+        )
+        if new is not None:
+            stage = torch.where(new, stage, state.stage.index_select(0, rows))
+            start = torch.where(new, start, adv.start.index_select(0, rows))
+            seen = torch.where(new[:, None], seen, adv.seen.index_select(0, rows))
+        state.stage.index_copy_(0, rows, stage)
+        adv.start.index_copy_(0, rows, start)
+        adv.seen.index_copy_(0, rows, seen)
+    if requires and bank.require is not None:
+        written = state.written[:, : bank.require.n_words]
+        done = written.index_select(0, rows)
+        now = advance_required(done, bank.require, adv.require.index_select(0, rows), recent, step)
+        written.index_copy_(0, rows, now if new is None else torch.where(new[:, None], now, done))
+
+
+def _advance_and_step(
+    bank: _Bank,
+    plan: _Plan,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    state: _State,
+    adv: _Advance,
+    tokens: torch.Tensor,
+    new: torch.Tensor | None,
+    staged: bool,
+    requires: bool,
+    measure_step: bool,
+    inplace: bool,
+    bits: int | None,
+    nan_step: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+    """:func:`_advance_tensors`, then :func:`_step_tensors` on the updated state: a whole transformers step as
+    one function for ``torch.compile``. ``nan_step`` (``[B]``, by logits row, -1 where none yet) records each
+    row's first step whose logits held a NaN, read before the pull (which may cover a NaN with a pruning mask)."""
+    _advance_tensors(bank, state, adv, rows, tokens, new, staged, requires)
+    if nan_step is not None:
+        bad = torch.isnan(logits).any(dim=-1)
+        nan_step.copy_(torch.where((nan_step < 0) & bad, state.step.index_select(0, rows), nan_step))
+    return _step_tensors(bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None)
+
+
 def _result(
     out: torch.Tensor, lam: torch.Tensor, finite: torch.Tensor | None, measured: tuple[torch.Tensor, ...] | None
 ) -> tuple[torch.Tensor, StepResult]:
@@ -880,6 +1044,18 @@ def compile_mode(mode: str | bool | None) -> str:
 
 _COMPILED: dict[str, Callable[..., tuple[torch.Tensor, StepResult]]] = {}
 
+GRAPHS = 64
+"""The most graphs one compiled function keeps (torch's default is 8). A graph per structure of step: which
+rules its rows run (thermostat, pruning, stages, required words, a repeat weight), measured or not. A server that
+sees many kinds of profile needs more than 8, and ``fullgraph=True`` fails hard past the limit."""
+
+
+def _allow_graphs() -> None:
+    """Raise torch's recompile limit (a process-wide setting) to at least :data:`GRAPHS`, once, when a step is
+    first compiled: a patch around every call would cost more than a small step (about 55 µs on a CPU)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, GRAPHS)
+
 
 def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, StepResult]]:
     """:func:`_step_tensors` under ``torch.compile(fullgraph=True, dynamic=True)``, one per mode for the process.
@@ -892,6 +1068,7 @@ def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, St
     """
     fn = _COMPILED.get(mode)
     if fn is None:
+        _allow_graphs()
         step = torch.compile(
             _step_tensors,
             fullgraph=True,
@@ -912,4 +1089,27 @@ def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, St
             return _result(*step(bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None))
 
         _COMPILED[mode] = fn
+    return fn
+
+
+_COMPILED_ADVANCE: dict[str, Callable[..., tuple[torch.Tensor, StepResult]]] = {}
+
+
+def compiled_advance_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, StepResult]]:
+    """:func:`_advance_and_step` under ``torch.compile(fullgraph=True, dynamic=True)``, one per mode for the
+    process: the state update and the step in one graph (see :func:`compiled_step`)."""
+    fn = _COMPILED_ADVANCE.get(mode)
+    if fn is None:
+        _allow_graphs()
+        step = torch.compile(
+            _advance_and_step,
+            fullgraph=True,
+            dynamic=True,
+            mode="reduce-overhead" if mode == "reduce-overhead" else None,
+        )
+
+        def fn(*args: Any) -> tuple[torch.Tensor, StepResult]:
+            return _result(*step(*args))
+
+        _COMPILED_ADVANCE[mode] = fn
     return fn
