@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -183,10 +184,48 @@ def _processor(entry: dict[str, Any], budget: int, *, trace: bool = False) -> An
     )
 
 
+class VLLMRows:
+    """The kernel as the vLLM adapter drives it: rows by a device index (with its host copy), each step's newest
+    tokens advanced with the step (``advance_apply``; ``new`` is false on a row's first step), and
+    :meth:`leave_and_join`: one request leaves and a new one joins in another slot."""
+
+    def __init__(self, entry: dict[str, Any], vocab: int, batch: int, budget: int, dev: Any, measure: bool) -> None:
+        from narrative_gravity.gravity.kernel import GravityKernel
+
+        self.entry, self.vocab, self.batch, self.dev, self.measure = entry, vocab, batch, torch.device(dev), measure
+        self.kernel = GravityKernel(batch + 1, self.dev)
+        for r in range(batch):
+            self.kernel.add(
+                r, entry["program"], budget=budget, prompt=list(range(r, r + 16)), schedule=self._schedule()
+            )
+        self.rows_np = np.arange(batch)
+        self.rows = torch.as_tensor(self.rows_np).to(self.dev, non_blocking=True)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.dev)
+        self.new = torch.zeros(batch, dtype=torch.bool, device=self.dev)  # the first step: nothing to advance
+        self.gen = torch.Generator(device=self.dev).manual_seed(0)
+
+    def _schedule(self) -> Any:
+        return self.entry["controller"].schedule(1)[0]
+
+    def step(self) -> None:
+        logits = torch.randn(self.batch, self.vocab, device=self.dev, generator=self.gen) * 3
+        out, _ = self.kernel.advance_apply(
+            self.tokens, logits, self.rows, self.rows_np, new=self.new, measure_step=self.measure
+        )
+        self.tokens = out.argmax(-1)
+        self.new = torch.ones_like(self.new)
+
+    def leave_and_join(self) -> None:
+        self.kernel.remove(0)
+        self.kernel.add(self.batch, self.entry["program"], budget=64, prompt=[1, 2, 3], schedule=self._schedule())
+        self.rows_np = np.array([self.batch, *range(1, self.batch)])
+        self.rows = torch.as_tensor(self.rows_np).to(self.dev, non_blocking=True)
+        self.new = torch.ones_like(self.new)
+        self.new[0] = False  # a fill on the device: the joining row has nothing to advance yet
+
+
 def sync_check(entry: dict[str, Any], vocab: int, steps: int, batch: int, dev: torch.device) -> dict[str, Any]:
     """Syncs per step of the processor (transformers) and of the kernel driven as vLLM drives it."""
-    from narrative_gravity.gravity.kernel import GravityKernel
-
     gen = torch.Generator(device=dev).manual_seed(0)
     out: dict[str, Any] = {}
     for trace in (False, True):
@@ -209,31 +248,17 @@ def sync_check(entry: dict[str, Any], vocab: int, steps: int, batch: int, dev: t
             "where": dict(counter.where),
         }
 
-    # the kernel as the vLLM adapter drives it: rows indexed by a device tensor (with its host copy), at
-    # different steps, one row leaving and a new one joining half-way
-    program = entry["program"]
-    kernel = GravityKernel(batch + 1, dev)
-    for r in range(batch):
-        kernel.add(
-            r, program, budget=steps + 8, prompt=list(range(r, r + 16)), schedule=entry["controller"].schedule(1)[0]
-        )
-    rows_np = torch.arange(batch).numpy()
-    rows = torch.as_tensor(rows_np).to(dev, non_blocking=True)
+    # the kernel as the vLLM adapter drives it: rows indexed by a device tensor (with its host copy), one row
+    # leaving and a new one joining half-way
+    driver = VLLMRows(entry, vocab, batch, steps + 8, dev, measure=True)
     for _ in range(3):
-        logits = torch.randn(batch, vocab, device=dev, generator=gen)
-        new, _res = kernel.apply(logits, rows, rows_np, measure_step=True)
-        kernel.advance(new.argmax(-1), rows)
+        driver.step()
     torch.cuda.synchronize()
     with SyncCounter() as counter:
         for step in range(steps):
-            if step == steps // 2:  # a request leaves and another joins in its slot
-                kernel.remove(0)
-                kernel.add(batch, program, budget=steps, prompt=[1, 2, 3], schedule=entry["controller"].schedule(1)[0])
-                rows_np = torch.tensor([batch, *range(1, batch)]).numpy()
-                rows = torch.as_tensor(rows_np).to(dev, non_blocking=True)
-            logits = torch.randn(batch, vocab, device=dev, generator=gen)
-            new, _res = kernel.apply(logits, rows, rows_np, measure_step=True)
-            kernel.advance(new.argmax(-1), rows)
+            if step == steps // 2:
+                driver.leave_and_join()
+            driver.step()
     out["kernel (vLLM rows)"] = {
         "syncs": counter.count,
         "per_step": counter.count / steps,
@@ -373,6 +398,7 @@ def count_ops(
     lines: int,
     compiled: bool = False,
     device: str = "cpu",
+    vllm: bool = False,
 ) -> dict[str, Any]:
     """The tensor operations one processor step issues (each one a kernel launch on a GPU), by source line.
 
@@ -381,23 +407,31 @@ def count_ops(
     ``compiled``: the step under ``torch.compile`` (the kernel's ``compile="default"``); launches are the eager
     operations around it plus the kernels inductor generated for it (``torch._inductor.metrics``) per call. On a
     CPU those are inductor's C++ kernels, which fuse as its GPU kernels do but not always alike: a proxy there;
-    ``device="cuda"`` counts its Triton kernels.
+    ``device="cuda"`` counts its Triton kernels. ``vllm``: the kernel as vLLM's adapter drives it
+    (:class:`VLLMRows`) instead of the transformers processor, one row leaving and one joining half-way through
+    the counted steps.
     """
     import os
 
+    import narrative_gravity.gravity.kernel as kernel
     import narrative_gravity.gravity.solve as schedule
     import narrative_gravity.gravity.thermo as thermo
 
     if compiled:
+        import torch._inductor.config as inductor_config
+
         os.environ["NARRATIVE_GRAVITY_COMPILE"] = "default"
+        # kernels loaded from inductor's on-disk cache are not counted as generated: compile everything afresh
+        inductor_config.force_disable_caches = True
 
     programs = torch.load(kit / "programs.pt", weights_only=False)
     if name not in programs:
         sys.exit(f"no profile {name!r} in the kit; it has: {', '.join(programs)}")
     if as_accelerator:
-        grid_bits = schedule.grid_bits
+        grid_bits, compiled_bits = schedule.grid_bits, kernel.compiled_bits
         schedule.grid_bits = lambda r, k, device: grid_bits(r, k, "cuda")  # type: ignore[assignment]
         thermo.block_rows = lambda logits: max(logits.shape[0], 1)  # type: ignore[assignment]
+        kernel.compiled_bits = lambda device: compiled_bits("cuda")  # type: ignore[assignment]
     vocab = programs[name]["program"].fields[0].vocab_size
     proc = _processor(programs[name], 4 * steps + 64)
     if as_accelerator:  # the NaN flag as off the CPU: kept on the device, read back once every 16 steps
@@ -411,17 +445,31 @@ def count_ops(
         return torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
 
     wrapped = _count_compiled_calls() if compiled else []
+    driver = VLLMRows(programs[name], vocab, batch, 4 * steps + 64, device, measure=False) if vllm else None
     start = time.perf_counter()
     for scores_i in scores[:steps]:  # warm-up: tables are built and uploaded once (and the step compiled)
-        ids = step(ids, scores_i)
+        if driver is None:
+            ids = step(ids, scores_i)
+        else:
+            driver.step()
+    if driver is not None:  # the join's step compiles nothing new: warm it up too, then start again
+        driver.leave_and_join()
+        driver.step()
+        driver = VLLMRows(programs[name], vocab, batch, 4 * steps + 64, device, measure=False)
+        driver.step()
     for w in wrapped:
         print(f"{w.name}: compiled with {w.kernels} inductor kernels ({time.perf_counter() - start:.1f} s of warm-up)")
         w.calls = 0
     with OpCounter() as counter:
-        for scores_i in scores[steps:]:
-            ids = step(ids, scores_i)
+        for t, scores_i in enumerate(scores[steps:]):
+            if driver is None:
+                ids = step(ids, scores_i)
+                continue
+            if t == steps // 2:
+                driver.leave_and_join()
+            driver.step()
     total = sum(counter.ops.values()) / steps
-    where = " (as on an accelerator)" if as_accelerator else ""
+    where = (" (as on an accelerator)" if as_accelerator else "") + (", the kernel as vLLM drives it" if vllm else "")
     result = {"operations_per_step": total, "views_per_step": counter.views / steps}
     if compiled:
         inside = sum(w.calls * w.kernels for w in wrapped) / steps
@@ -504,6 +552,11 @@ def main() -> None:
     o.add_argument("--lines", type=int, default=15, help="how many source lines to list")
     o.add_argument("--compiled", action="store_true", help="the step under torch.compile (launches: eager + inductor)")
     o.add_argument("--device", default="cpu", help="where the logits live (cuda: inductor's GPU kernels)")
+    o.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the kernel as vLLM's adapter drives it: rows by index, one leaves, one joins",
+    )
     args = parser.parse_args()
     if args.cmd == "prepare":
         prepare(args.kit)
@@ -513,7 +566,15 @@ def main() -> None:
         if not (args.kit / "programs.pt").is_file():
             sys.exit(f"no kit at {args.kit}: make it first with `python bench/gpu_check.py prepare --kit {args.kit}`")
         count_ops(
-            args.kit, args.profile, args.batch, args.steps, args.as_accelerator, args.lines, args.compiled, args.device
+            args.kit,
+            args.profile,
+            args.batch,
+            args.steps,
+            args.as_accelerator,
+            args.lines,
+            args.compiled,
+            args.device,
+            args.vllm,
         )
     else:
         run(args.kit, args.json, args.steps, args.batch_sizes, args.new_tokens, args.rounds, args.only)

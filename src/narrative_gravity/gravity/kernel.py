@@ -189,9 +189,7 @@ class GravityKernel:
         self._compiled: Callable[..., tuple[torch.Tensor, StepResult]] | None = None
         self._compiled_advance: Callable[..., tuple[torch.Tensor, StepResult]] | None = None
         self._row_range: torch.Tensor | None = None
-        # the solver's grid bits when compiled: fixed (the answer does not depend on them), so that the batch
-        # size never changes the compiled code; 7 bits = 2 levels for the default 14 iterations
-        self._bits = 7
+        self._bits = compiled_bits(self.device)
         # programs: slot -> Program, with reference counts and an LRU of idle slots
         self._programs: dict[int, Program] = {}
         self._by_key: dict[str, int] = {}
@@ -1012,6 +1010,18 @@ def _step_tensors(
         m = GravityKernel._measure(logits, out, a, lam, mask, bank, probs, entropy, plan)
         measured = (m.entropy, m.mass, m.mass_after, m.kl, m.strength)
     return out, lam, finite, measured
+
+
+def compiled_bits(device: torch.device | str) -> int:
+    """The solver's grid bits in a compiled step (:func:`~narrative_gravity.gravity.solve.grid_bits` chooses them
+    by the problem's size in an eager one). Fixed, so that the batch size never changes the compiled code, and
+    the answer does not depend on them. Off the CPU a level costs its launches: 7 bits, 2 levels for the default
+    14 iterations. On the CPU a level costs its arithmetic (``2^bits`` exponentials per candidate): 3 bits.
+
+    >>> compiled_bits("cpu"), compiled_bits("cuda")
+    (3, 7)
+    """
+    return 3 if torch.device(device).type == "cpu" else 7
 
 
 COMPILE_ENV = "NARRATIVE_GRAVITY_COMPILE"
