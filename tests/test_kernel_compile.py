@@ -8,7 +8,7 @@ import torch
 
 from narrative_gravity.errors import ConfigurationError
 from narrative_gravity.gravity import GravityKernel
-from narrative_gravity.gravity.kernel import COMPILE_ENV, compile_mode
+from narrative_gravity.gravity.kernel import COMPILE_ENV, Program, compile_mode
 from test_kernel import V, _programs
 
 # The compiled step is opt-in (GravityKernel(compile=...), NARRATIVE_GRAVITY_COMPILE). Its equality tests compile
@@ -30,6 +30,25 @@ def _pair(capacity: int) -> tuple[GravityKernel, GravityKernel]:
     return GravityKernel(capacity, compile="off"), GravityKernel(capacity, compile="default")
 
 
+def _every_program_side_by_side() -> tuple[list[Program], tuple[GravityKernel, GravityKernel]]:
+    """Every test program on its own row (and a free row for one to join), in an eager and a compiled kernel."""
+    programs = _programs()
+    kernels = _pair(len(programs) + 1)
+    for k in kernels:
+        for r, program in enumerate(programs):
+            k.add(r, program, budget=12, prompt=[1, 2, 3])
+    return programs, kernels
+
+
+def _leave_and_join(kernels: tuple[GravityKernel, GravityKernel], programs: list[Program], t: int) -> None:
+    """At step 4 row 0 leaves; at step 6 a request joins in the last row."""
+    for k in kernels:
+        if t == 4:
+            k.remove(0)
+        if t == 6:
+            k.add(len(programs), programs[6], budget=9, prompt=[4, 5])
+
+
 def _same(eager: tuple[torch.Tensor, object], compiled: tuple[torch.Tensor, object], what: str) -> None:
     (want, want_res), (got, got_res) = eager, compiled
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=what)
@@ -46,21 +65,12 @@ def _same(eager: tuple[torch.Tensor, object], compiled: tuple[torch.Tensor, obje
 def test_every_program_compiled_equals_eager_with_rows_leaving_and_joining(measure_step: bool) -> None:
     """Every program side by side, rows indexed as vLLM indexes them; one row leaves, another joins in its
     slot, and the batch shrinks and grows again: the compiled step (fullgraph, no break) equals the eager one."""
-    programs = _programs()
+    programs, kernels = _every_program_side_by_side()
     n = len(programs)
-    kernels = _pair(n + 1)
-    for k in kernels:
-        for r, program in enumerate(programs):
-            k.add(r, program, budget=12, prompt=[1, 2, 3])
     gen = torch.Generator().manual_seed(1)
     schedule = [np.arange(n)] * 4 + [np.arange(1, n)] * 2 + [np.array([n, *range(1, n)])] * 4
     for t, rows_np in enumerate(schedule):
-        if t == 4:
-            for k in kernels:
-                k.remove(0)
-        if t == 6:
-            for k in kernels:
-                k.add(n, programs[6], budget=9, prompt=[4, 5])
+        _leave_and_join(kernels, programs, t)
         logits = torch.randn(rows_np.size, V, generator=gen) * 2
         logits[0, 2] = float("-inf")
         rows = torch.from_numpy(rows_np)
@@ -76,22 +86,13 @@ def test_the_state_update_by_row_index_compiled_equals_eager() -> None:
     """``advance_apply`` with rows by index, as vLLM's adapter drives it: every program side by side, a row
     leaves, another joins (its first step advances nothing), one row skips a step (``new`` false), and NaN
     logits are recorded; the compiled graph equals the eager update and step."""
-    programs = _programs()
+    programs, kernels = _every_program_side_by_side()
     n = len(programs)
-    kernels = _pair(n + 1)
-    for k in kernels:
-        for r, program in enumerate(programs):
-            k.add(r, program, budget=12, prompt=[1, 2, 3])
     gen = torch.Generator().manual_seed(4)
     schedule = [np.arange(n)] * 4 + [np.arange(1, n)] * 2 + [np.array([n, *range(1, n)])] * 4
     nan_steps = [torch.full((n,), -1, dtype=torch.long) for _ in kernels]
     for t, rows_np in enumerate(schedule):
-        if t == 4:
-            for k in kernels:
-                k.remove(0)
-        if t == 6:
-            for k in kernels:
-                k.add(n, programs[6], budget=9, prompt=[4, 5])
+        _leave_and_join(kernels, programs, t)
         b = rows_np.size
         tokens = torch.randint(0, V, (b,), generator=gen)
         tokens[: min(b, 2)] = torch.tensor([3, 7])[: min(b, 2)]  # the words stages and requirements wait for

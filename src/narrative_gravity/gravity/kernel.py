@@ -1052,6 +1052,14 @@ def compile_mode(mode: str | bool | None) -> str:
     return str(mode)
 
 
+def _compile(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)``; ``reduce-overhead`` asks for CUDA graphs."""
+    _allow_graphs()
+    return torch.compile(
+        fn, fullgraph=True, dynamic=True, mode="reduce-overhead" if mode == "reduce-overhead" else None
+    )
+
+
 _COMPILED: dict[str, Callable[..., tuple[torch.Tensor, StepResult]]] = {}
 
 GRAPHS = 64
@@ -1078,13 +1086,7 @@ def compiled_step(mode: str = "default") -> Callable[..., tuple[torch.Tensor, St
     """
     fn = _COMPILED.get(mode)
     if fn is None:
-        _allow_graphs()
-        step = torch.compile(
-            _step_tensors,
-            fullgraph=True,
-            dynamic=True,
-            mode="reduce-overhead" if mode == "reduce-overhead" else None,
-        )
+        step = _compile(_step_tensors, mode)
 
         def fn(
             bank: _Bank,
@@ -1110,13 +1112,7 @@ def compiled_advance_step(mode: str = "default") -> Callable[..., tuple[torch.Te
     process: the state update and the step in one graph (see :func:`compiled_step`)."""
     fn = _COMPILED_ADVANCE.get(mode)
     if fn is None:
-        _allow_graphs()
-        step = torch.compile(
-            _advance_and_step,
-            fullgraph=True,
-            dynamic=True,
-            mode="reduce-overhead" if mode == "reduce-overhead" else None,
-        )
+        step = _compile(_advance_and_step, mode)
 
         def fn(*args: Any) -> tuple[torch.Tensor, StepResult]:
             return _result(*step(*args))
