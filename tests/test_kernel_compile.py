@@ -30,6 +30,24 @@ def _pair(capacity: int) -> tuple[GravityKernel, GravityKernel]:
     return GravityKernel(capacity, compile="off"), GravityKernel(capacity, compile="default")
 
 
+def _same_step_and_state(
+    results: list[tuple[torch.Tensor, object]],
+    kernels: tuple[GravityKernel, GravityKernel],
+    t: int,
+    nan_row: int | None,
+) -> None:
+    """The eager and compiled results of step ``t`` agree (``nan_row``'s NaN logits aside), and so do the kernels'
+    state tables after it."""
+    if nan_row is not None:
+        for out, _ in results:
+            out[nan_row] = 0.0
+    _same(results[0], results[1], f"step {t}")
+    eager, comp = kernels
+    for name in ("recent", "step", "stage", "start", "seen", "written", "said"):
+        want, got = getattr(eager, name), getattr(comp, name)
+        assert (want is None) == (got is None) and (want is None or torch.equal(got, want)), f"step {t}: {name}"
+
+
 def _every_program_side_by_side() -> tuple[list[Program], tuple[GravityKernel, GravityKernel]]:
     """Every test program on its own row (and a free row for one to join), in an eager and a compiled kernel."""
     programs = _programs()
@@ -111,13 +129,7 @@ def test_the_state_update_by_row_index_compiled_equals_eager() -> None:
             results.append(
                 k.advance_apply(tokens, logits.clone(), rows, rows_np, new=new, measure_step=t % 3 == 0, nan_step=mine)
             )
-        if t == 7:
-            for r in results:
-                r[0][1] = 0.0
-        _same(results[0], results[1], f"step {t}")
-        eager, comp = kernels
-        for name in ("recent", "step", "stage", "start", "seen", "written"):
-            assert torch.equal(getattr(comp, name), getattr(eager, name)), f"step {t}: {name}"
+        _same_step_and_state(results, kernels, t, nan_row=1 if t == 7 else None)
     assert nan_steps[0].tolist() == nan_steps[1].tolist()
     assert (nan_steps[0] >= 0).sum() == 1
 
@@ -163,15 +175,7 @@ def test_the_state_update_compiled_into_the_step_equals_eager(index: int) -> Non
             k.advance_apply(tokens, logits.clone(), measure_step=t % 2 == 0, nan_step=n)
             for k, n in zip(kernels, nan_steps, strict=True)
         ]
-        if t == 5:  # NaN rows: compare the finite ones
-            for r in results:
-                r[0][1] = 0.0
-        _same(results[0], results[1], f"step {t}")
-        eager, comp = kernels
-        for name in ("recent", "step", "stage", "start", "seen", "written"):
-            assert torch.equal(getattr(comp, name), getattr(eager, name)), f"step {t}: {name}"
-        if eager.said is not None:
-            assert torch.equal(comp.said, eager.said), f"step {t}: said"
+        _same_step_and_state(results, kernels, t, nan_row=1 if t == 5 else None)
     assert nan_steps[0].tolist() == nan_steps[1].tolist() == [-1, 5, -1]
 
 
