@@ -158,6 +158,11 @@ _BASES: tuple[type, ...] = (LogitsProcessor,) if _V2LogitsProcessor is None else
 _LIVE: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
+_StepRows = tuple[torch.Tensor | None, np.ndarray | None, torch.Tensor | None, torch.Tensor | None]
+"""A step's rows: logits rows to kernel rows (device, host; ``None``: row i is kernel row i), and the newest
+tokens with the rows they are new on (``None``: all), where they are advanced with the step."""
+
+
 class NarrativeGravityVLLMLogitsProcessor(*_BASES):
     """vLLM logits processor: per-request narrative gravity from ``SamplingParams.extra_args["gravity"]``.
 
@@ -225,9 +230,6 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         # history is read from the request state on their first step.
         self._outputs: list[list[int] | None] = [None] * max_num_reqs
         self._seen = np.zeros(max_num_reqs, dtype=np.int64)
-        # the newest tokens (V2: and the rows they are new on), advanced with the step in `apply`
-        self._tokens: torch.Tensor | None = None
-        self._new: torch.Tensor | None = None
         self._fresh = np.zeros(max_num_reqs, dtype=bool)
         self._trace_ids: list[str | None] = [None] * max_num_reqs
         self._batch_size = 0
@@ -295,7 +297,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         self.last_strength = None
         if rows is None:
             return logits
-        logits_rows, rows_np = rows
+        logits_rows, rows_np, tokens, new = rows
         traced = []
         if any(self._trace_ids):
             kernel_rows = range(logits.shape[0]) if rows_np is None else rows_np
@@ -303,7 +305,6 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         measure = self.on_step is not None or self.on_measure is not None or bool(traced)
         # vLLM hands its float32 logits over (its own processors write into them too); the kernel copies only
         # where its measurement needs the unpulled logits, and an `on_step` hook is promised them
-        tokens, new, self._tokens, self._new = self._tokens, self._new, None, None
         if tokens is not None:  # the state update and the step in one call (one graph, compiled)
             out, result = self.kernel.advance_apply(
                 tokens, logits, logits_rows, rows_np, new=new, measure_step=measure, inplace=self.on_step is None
@@ -373,7 +374,9 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
 
     # -- one step ------------------------------------------------------------------------------------
 
-    def _step_v1(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray | None] | None:
+    def _step_v1(self, logits: torch.Tensor) -> _StepRows | None:
+        """The rows to pull (V1: logits row i is kernel row i) and the newest tokens, where they are advanced
+        with the step; other tokens are advanced here."""
         b = min(self._batch_size, logits.shape[0])
         live = np.flatnonzero(self.kernel.prog[:b] >= 0)
         if not live.size:
@@ -383,20 +386,21 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         lengths = np.fromiter((len(self._outputs[i]) for i in live), dtype=np.int64, count=live.size)
         grown = lengths - self._seen[live]
         if live.size == b == logits.shape[0] and (grown == 1).all():  # the usual step: all rows, one token each
-            tokens = [self._outputs[i][-1] for i in range(b)]  # advanced with the step, in `apply`
-            self._tokens = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+            newest = [self._outputs[i][-1] for i in range(b)]  # advanced with the step, in `apply`
+            tokens = torch.tensor(newest, dtype=torch.long).to(self.device, non_blocking=True)
         else:
+            tokens = None
             for k in range(int(grown.max(initial=0))):  # one token a step; more only if a step was skipped
                 rows = live[grown > k]
-                tokens = [self._outputs[i][self._seen[i] + k] for i in rows]
+                missed = [self._outputs[i][self._seen[i] + k] for i in rows]
                 self.kernel.advance(
-                    torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True),
+                    torch.tensor(missed, dtype=torch.long).to(self.device, non_blocking=True),
                     torch.from_numpy(rows).to(self.device, non_blocking=True),
                 )
         self._seen[live] = lengths
-        return None, None  # logits row i is kernel row i
+        return None, None, tokens, None
 
-    def _step_v2(self, logits: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, np.ndarray] | None:
+    def _step_v2(self, logits: torch.Tensor, ctx: Any) -> _StepRows | None:
         slots_np = np.asarray(ctx.idx_mapping_np).astype(np.int64)
         if logits.shape[0] != slots_np.shape[0]:  # speculative decoding: several rows per request
             if not self._spec_warned and (self.kernel.prog[slots_np] >= 0).any():
@@ -421,10 +425,10 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
             self._fresh[slot] = False
         steps = (pos + 1 - rs.prompt_len.gpu[slots].long()).clamp_min(0)
         known = gravity & ~fresh  # rows whose newest token the kernel may not have yet: advanced with the step
-        if known.any():
-            known_t = torch.from_numpy(known).to(self.device, non_blocking=True)
-            self._tokens, self._new = ctx.input_ids.long(), known_t & (steps > self.kernel.step[slots])
-        return slots, slots_np
+        if not known.any():
+            return slots, slots_np, None, None
+        known_t = torch.from_numpy(known).to(self.device, non_blocking=True)
+        return slots, slots_np, ctx.input_ids.long(), known_t & (steps > self.kernel.step[slots])
 
 
 def _trace_id(params: Any) -> str | None:

@@ -527,22 +527,11 @@ class GravityKernel:
         engine hands its logits over, and they are pulled where they are (with ``measure_step``, only where
         the measurement does not need the unpulled logits: the thermostat's steps without pruning).
         """
-        b, vocab = logits.shape
-        if rows is None:
-            rows = slice(0, b)  # the transformers case: views, no gathers
-            rows_np = np.arange(b)
-        elif rows_np is None:
-            rows_np = rows.cpu().numpy()
-        self._vocab = vocab
-        bank = self._bank_for(vocab, logits.dtype)
-        plan = self._plan(bank, rows, rows_np)
-        dev = self._upload(bank)
-        said = self._said(vocab) if plan.repeat is not None and plan.said_index is not None else None
-        state = _State(self.recent, self.step, self.stage, said, self.written, dev["budget"])
+        bank, plan, state, rows, _ = self._prepare(logits, rows, rows_np)
         compiled = self._compiled_step(strength, measure_only)
         if compiled is not None:
             if isinstance(rows, slice):
-                rows = self._row_ids(b)
+                rows = self._row_ids(logits.shape[0])
             return compiled(bank, plan, logits, rows, state, measure_step, inplace, self._bits)
         return _result(
             *_step_tensors(
@@ -581,26 +570,13 @@ class GravityKernel:
         ([[0.0, 2.0, 0.0, -2.0]], [1], 1)
         """
         if self.compile == "off":
-            bad = None if nan_step is None else torch.isnan(logits).any(dim=-1)  # before an in-place pull
             self.advance(tokens, rows, new)
-            if bad is not None:
-                step = self.step[: logits.shape[0]] if rows is None else self.step[rows]
-                nan_step.copy_(torch.where((nan_step < 0) & bad, step, nan_step))
+            if nan_step is not None:  # before the pull, which may write into the logits
+                _record_nan(nan_step, logits, self.step[: logits.shape[0]] if rows is None else self.step[rows])
             return self.apply(logits, rows, rows_np, measure_step=measure_step, inplace=inplace)
-        b, vocab = logits.shape
-        if rows is None:
-            plan_rows: torch.Tensor | slice = slice(0, b)
-            rows, rows_np = self._row_ids(b), np.arange(b)
-        else:
-            plan_rows = rows
-            if rows_np is None:
-                rows_np = rows.cpu().numpy()
-        self._vocab = vocab
-        bank = self._bank_for(vocab, logits.dtype)
-        plan = self._plan(bank, plan_rows, rows_np)
-        dev = self._upload(bank)
-        said = self._said(vocab) if plan.repeat is not None and plan.said_index is not None else self.said
-        state = _State(self.recent, self.step, self.stage, said, self.written, dev["budget"])
+        bank, plan, state, rows, dev = self._prepare(logits, rows, rows_np)
+        if isinstance(rows, slice):
+            rows = self._row_ids(logits.shape[0])
         adv = _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
         if self._compiled_advance is None:
             self._compiled_advance = compiled_advance_step(self.compile)
@@ -620,6 +596,24 @@ class GravityKernel:
             self._bits,
             nan_step,
         )
+
+    def _prepare(
+        self, logits: torch.Tensor, rows: torch.Tensor | None, rows_np: np.ndarray | None
+    ) -> tuple[_Bank, _Plan, _State, torch.Tensor | slice, dict[str, torch.Tensor]]:
+        """What a step over ``logits [B, V]`` reads: the field bank, the rows' plan, the state tables (``said``
+        made where the plan needs it), the rows (``0..B-1`` as a slice, views with no gathers, where none are
+        given) and the per-row settings on the device."""
+        b, vocab = logits.shape
+        if rows is None:
+            rows, rows_np = slice(0, b), np.arange(b)
+        elif rows_np is None:
+            rows_np = rows.cpu().numpy()
+        self._vocab = vocab
+        bank = self._bank_for(vocab, logits.dtype)
+        plan = self._plan(bank, rows, rows_np)
+        dev = self._upload(bank)
+        said = self._said(vocab) if plan.repeat is not None and plan.said_index is not None else self.said
+        return bank, plan, _State(self.recent, self.step, self.stage, said, self.written, dev["budget"]), rows, dev
 
     def _compiled_step(
         self, strength: Callable[[torch.Tensor], torch.Tensor] | None, measure_only: bool
@@ -899,6 +893,11 @@ def _advance_tensors(
         written.index_copy_(0, rows, now if new is None else torch.where(new[:, None], now, done))
 
 
+def _record_nan(nan_step: torch.Tensor, logits: torch.Tensor, step: torch.Tensor) -> None:
+    """Write ``step [B]`` into ``nan_step [B]`` (-1: none yet) for the rows whose ``logits`` first hold a NaN."""
+    nan_step.copy_(torch.where((nan_step < 0) & torch.isnan(logits).any(dim=-1), step, nan_step))
+
+
 def _advance_and_step(
     bank: _Bank,
     plan: _Plan,
@@ -920,8 +919,7 @@ def _advance_and_step(
     row's first step whose logits held a NaN, read before the pull (which may cover a NaN with a pruning mask)."""
     _advance_tensors(bank, state, adv, rows, tokens, new, staged, requires)
     if nan_step is not None:
-        bad = torch.isnan(logits).any(dim=-1)
-        nan_step.copy_(torch.where((nan_step < 0) & bad, state.step.index_select(0, rows), nan_step))
+        _record_nan(nan_step, logits, state.step.index_select(0, rows))
     return _step_tensors(bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None)
 
 
