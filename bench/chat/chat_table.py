@@ -12,7 +12,10 @@ ratios of the resampled aggregates, not means of per-pair ratios.
 
 Usage::
 
-    python bench/chat/chat_table.py RUN_DIR [RUN_DIR ...] [--base ask] [--json OUT.json]
+    python bench/chat/chat_table.py RUN_DIR [RUN_DIR ...] [--base ask] [--json OUT.json] [--plot OUT.png]
+
+``--plot`` draws each arm's held-out success against its judge perplexity (mean ÷ ``ask``), with their
+intervals, and the 1.10× bound: the trade-off between following the topic and reading well, in one picture.
 
 Several runs (say, ``chat-topics`` and ``chat-empath``) are pooled: their rows are keyed by run, so prompts
 of different runs never pair.
@@ -203,16 +206,52 @@ def markdown(t: list[dict[str, Any]], base: str = "ask") -> str:
     return "\n".join(lines)
 
 
+def plot(t: list[dict[str, Any]], path: Path, title: str, base: str = "ask", bound: float = 1.10) -> None:
+    """Held-out success against judge perplexity (mean ÷ ``base``), each arm with its 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for r in t:
+        x, y = r["ppl_mean_ratio"], r["success"]
+        if x != x or y != y:
+            continue
+        xerr = [[x - r["ppl_mean_ratio_ci"][0]], [r["ppl_mean_ratio_ci"][1] - x]]
+        yerr = [[y - r["success_ci"][0]], [r["success_ci"][1] - y]]
+        ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3, alpha=0.85)
+        ax.annotate(LABELS.get(r["arm"], r["arm"]).split(" (")[0], (x, y), textcoords="offset points", xytext=(6, 4))
+    ax.axvline(bound, color="grey", linestyle="--", linewidth=1)
+    ax.text(bound, ax.get_ylim()[0], f" {bound:.2f}× {base}", color="grey", va="bottom")
+    ax.set_xscale("log")
+    times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×")
+    ax.xaxis.set_major_formatter(times)
+    ax.xaxis.set_minor_formatter(times)
+    ax.set_xlabel(f"judge perplexity, mean ÷ {base} (log scale)")
+    ax.set_ylabel("held-out success")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", type=Path, nargs="+", help="ngrav eval run folders (each holds results.jsonl)")
     ap.add_argument("--base", default="ask", help="the arm every ratio is taken against (default: ask)")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw success against perplexity (PNG)")
+    ap.add_argument("--title", default="Chat: held-out success against fluency", help="the plot's title")
     args = ap.parse_args(argv)
     t = table(load(args.runs), args.base)
     print(markdown(t, args.base))
     if args.json:
         args.json.write_text(json.dumps(t, indent=1), encoding="utf-8")
+    if args.plot:
+        plot(t, args.plot, args.title, args.base)
     return 0
 
 

@@ -437,75 +437,52 @@ class GravityKernel:
 
     def advance(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, new: torch.Tensor | None = None) -> None:
         """Each of ``rows`` (default ``0..len(tokens)-1``) generated ``tokens``; with ``new`` (bool, per row)
-        only where it is true. Updates the history, the step, what the row has said, and its stage."""
+        only where it is true. Updates the history, the step, what the row has said, its stage and the required
+        words it has written."""
         tokens = tokens.to(self.device).long()
-        if rows is None and new is None:  # the transformers case: rows 0..B-1 all step, in place on views
-            b = tokens.shape[0]
-            rows = slice(0, b)
-            history = self.recent[:b]
-            history[:, :-1] = history[:, 1:].clone()
-            history[:, -1] = tokens
-            self.step[:b] += 1
-            recent, step = history, self.step[:b]
-            if self.said is not None:
-                self.said[:b].scatter_(1, tokens.clamp(0, self.said.shape[1] - 1)[:, None], True)
-        else:
+        staged, requires = bool(self.last_stage.any()), bool(self.requires.any())
+        if rows is not None or new is not None:  # rows by index (vLLM): the compiled step's update, run eager
+            bank, dev = self._tables()
+            state = _State(self.recent, self.step, self.stage, self.said, self.written, dev["budget"])
+            adv = _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
             rows_t = torch.arange(tokens.shape[0], device=self.device) if rows is None else rows
-            if rows is None:
-                rows = slice(0, tokens.shape[0])
-            recent = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
-            step = self.step[rows] + 1
-            if new is not None:
-                recent = torch.where(new[:, None], recent, self.recent[rows])
-                step = torch.where(new, step, self.step[rows])
-            self.recent[rows] = recent
-            self.step[rows] = step
-            if self.said is not None:
-                ids = tokens.clamp(0, self.said.shape[1] - 1)
-                if new is None:  # a device value: a Python True would be a blocking copy on CUDA
-                    self.said[rows_t, ids] = torch.ones_like(ids, dtype=torch.bool)
-                else:
-                    self.said[rows_t, ids] = self.said[rows_t, ids] | new
-        if self.last_stage.any():
-            dtype = self._bank[0][2] if self._bank is not None else torch.float32
-            bank = self._bank_for(self._width(), dtype)
-            dev = self._upload(bank)
-            stage, start, seen = advance_stages(
-                self.stage[rows],
-                self.start[rows],
-                self.seen[rows],
+            _advance_tensors(bank, state, adv, rows_t, tokens, new, staged, requires)
+            return
+        # the transformers case: rows 0..B-1 all step, in place on views with no gathers
+        b = tokens.shape[0]
+        history = self.recent[:b]
+        history[:, :-1] = history[:, 1:].clone()
+        history[:, -1] = tokens
+        self.step[:b] += 1
+        step = self.step[:b]
+        if self.said is not None:
+            self.said[:b].scatter_(1, tokens.clamp(0, self.said.shape[1] - 1)[:, None], True)
+        if not (staged or requires):
+            return
+        bank, dev = self._tables()
+        if staged:
+            self.stage[:b], self.start[:b], self.seen[:b] = advance_stages(
+                self.stage[:b],
+                self.start[:b],
+                self.seen[:b],
                 step,
-                dev["budget"][rows],
-                recent,
-                dev["first"][rows],
-                dev["last"][rows],
+                dev["budget"][:b],
+                history,
+                dev["first"][:b],
+                dev["last"][:b],
                 bank.share,
                 bank.need,
                 bank.forms,
             )
-            if new is not None:
-                stage = torch.where(new, stage, self.stage[rows])
-                start = torch.where(new, start, self.start[rows])
-                seen = torch.where(new[:, None], seen, self.seen[rows])
-            self.stage[rows], self.start[rows], self.seen[rows] = stage, start, seen
-        if self.requires.any():
-            self._advance_required(rows, recent, step, new)
+        if requires and bank.require is not None:
+            written = self.written[:b, : bank.require.n_words]
+            written.copy_(advance_required(written, bank.require, dev["require"][:b], history, step))
 
-    def _advance_required(
-        self, rows: torch.Tensor | slice, recent: torch.Tensor, step: torch.Tensor, new: torch.Tensor | None
-    ) -> None:
-        """Mark the required words each row has finished writing with its newest token."""
+    def _tables(self) -> tuple[_Bank, dict[str, torch.Tensor]]:
+        """The field bank (in the dtype of the logits last seen) and the per-row settings on the device."""
         dtype = self._bank[0][2] if self._bank is not None else torch.float32
         bank = self._bank_for(self._width(), dtype)
-        if bank.require is None:
-            return
-        dev = self._upload(bank)
-        w = bank.require.n_words
-        before = self.written[rows, :w]
-        written = advance_required(before, bank.require, dev["require"][rows], recent, step)
-        if new is not None:
-            written = torch.where(new[:, None], written, before)
-        self.written[rows, :w] = written
+        return bank, self._upload(bank)
 
     def apply(
         self,
