@@ -14,8 +14,12 @@ Usage::
 
     python bench/chat/chat_table.py RUN_DIR [RUN_DIR ...] [--base ask] [--json OUT.json] [--plot OUT.png]
 
-``--plot`` draws each arm's held-out success against its judge perplexity (mean ÷ ``ask``), with their
-intervals, and the 1.10× bound: the trade-off between following the topic and reading well, in one picture.
+``--plot`` draws each arm's held-out success against its judge perplexity (median ÷ ``ask``; ``--x mean``
+for the mean), with their intervals, and the 1.10× bound: the trade-off between following the topic and
+reading well, in one picture. ``--tables`` plots tables this script wrote with ``--json`` instead of runs
+(an arm named in several keeps its first table's row)::
+
+    python bench/chat/chat_table.py --tables bench/results/chat_test_empath.json --plot docs/img/x.png
 
 Several runs (say, ``chat-topics`` and ``chat-empath``) are pooled: their rows are keyed by run, so prompts
 of different runs never pair.
@@ -37,6 +41,14 @@ import numpy as np
 N_BOOT = 2000
 ORDER = ("control", "ask", "cfg-1.5", "cfg-3", "auto")
 LABELS = {"control": "plain", "ask": "ask (the topic in a system message, no pull)"}
+SHORT = {
+    "control": "plain",
+    "auto": "the chat default",
+    "cfg-1.5": "ask + CFG 1.5",
+    "cfg-3": "ask + CFG 3",
+    "ask-auto-kl12": "the pull at 0.12 nats",
+}
+TICKS = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
 
 Row = dict[str, Any]
 
@@ -206,29 +218,36 @@ def markdown(t: list[dict[str, Any]], base: str = "ask") -> str:
     return "\n".join(lines)
 
 
-def plot(t: list[dict[str, Any]], path: Path, title: str, base: str = "ask", bound: float = 1.10) -> None:
-    """Held-out success against judge perplexity (mean ÷ ``base``), each arm with its 95% intervals."""
+def plot(
+    t: list[dict[str, Any]], path: Path, title: str, base: str = "ask", x_of: str = "median", bound: float = 1.10
+) -> None:
+    """Held-out success against judge perplexity (``x_of``: median or mean, ÷ ``base``), each arm with its 95%
+    intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    placed: list[tuple[float, float]] = []
     for r in t:
-        x, y = r["ppl_mean_ratio"], r["success"]
+        x, y, xci = r[f"ppl_{x_of}_ratio"], r["success"], r[f"ppl_{x_of}_ratio_ci"]
         if x != x or y != y:
             continue
-        xerr = [[x - r["ppl_mean_ratio_ci"][0]], [r["ppl_mean_ratio_ci"][1] - x]]
+        xerr = [[x - xci[0]], [xci[1] - x]]
         yerr = [[y - r["success_ci"][0]], [r["success_ci"][1] - y]]
         ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3, alpha=0.85)
-        ax.annotate(LABELS.get(r["arm"], r["arm"]).split(" (")[0], (x, y), textcoords="offset points", xytext=(6, 4))
+        near = sum(abs(np.log(x / px)) < 0.05 and abs(y - py) < 0.04 for px, py in placed)  # labels that would touch
+        placed.append((x, y))
+        ax.annotate(SHORT.get(r["arm"], r["arm"]), (x, y), textcoords="offset points", xytext=(6, 4 - 14 * near))
     ax.axvline(bound, color="grey", linestyle="--", linewidth=1)
     ax.text(bound, ax.get_ylim()[0], f" {bound:.2f}× {base}", color="grey", va="bottom")
     ax.set_xscale("log")
-    times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×")
-    ax.xaxis.set_major_formatter(times)
-    ax.xaxis.set_minor_formatter(times)
-    ax.set_xlabel(f"judge perplexity, mean ÷ {base} (log scale)")
+    lo, hi = ax.get_xlim()
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([v for v in TICKS if lo <= v <= hi]))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel(f"judge perplexity, {x_of} ÷ {base} (log scale)")
     ax.set_ylabel("held-out success")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -240,18 +259,30 @@ def plot(t: list[dict[str, Any]], path: Path, title: str, base: str = "ask", bou
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", type=Path, nargs="+", help="ngrav eval run folders (each holds results.jsonl)")
+    ap.add_argument("runs", type=Path, nargs="*", help="ngrav eval run folders (each holds results.jsonl)")
+    ap.add_argument("--tables", type=Path, nargs="+", default=None, help="plot these --json tables instead of runs")
     ap.add_argument("--base", default="ask", help="the arm every ratio is taken against (default: ask)")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     ap.add_argument("--plot", type=Path, default=None, help="also draw success against perplexity (PNG)")
     ap.add_argument("--title", default="Chat: held-out success against fluency", help="the plot's title")
+    ap.add_argument("--x", choices=("median", "mean"), default="median", help="the plot's perplexity ratio")
     args = ap.parse_args(argv)
+    if args.tables:
+        if not args.plot:
+            ap.error("--tables only plots; give --plot OUT.png")
+        t = []
+        for path in args.tables:
+            t += [r for r in json.loads(path.read_text(encoding="utf-8")) if r["arm"] not in {x["arm"] for x in t}]
+        plot(t, args.plot, args.title, args.base, args.x)
+        return 0
+    if not args.runs:
+        ap.error("give run folders, or --tables with --plot")
     t = table(load(args.runs), args.base)
     print(markdown(t, args.base))
     if args.json:
         args.json.write_text(json.dumps(t, indent=1), encoding="utf-8")
     if args.plot:
-        plot(t, args.plot, args.title, args.base)
+        plot(t, args.plot, args.title, args.base, args.x)
     return 0
 
 

@@ -25,7 +25,7 @@ from transformers import LogitsProcessor
 from ..errors import ConfigurationError, NonFiniteLogitsError, VocabularyError
 from ..gravity.controllers import ConstantController, ScheduleController, StepContext, StrengthController
 from ..gravity.field import NarrativeField
-from ..gravity.kernel import GravityKernel, Program, compile_mode
+from ..gravity.kernel import GravityKernel, Program, compile_mode, record_nan
 from ..gravity.schedule import COLUMNS
 from ..gravity.stages import StagePlan
 from ..gravity.thermo import Trace
@@ -214,9 +214,7 @@ class NarrativeGravityLogitsProcessor(LogitsProcessor):
                     self._raise_nan(rows_nan, torch.full_like(rows_nan, step, dtype=torch.long))
             return
         if not tracked:
-            rows_nan = torch.isnan(scores).any(dim=-1)
-            first = self._nan_steps(scores)
-            self._first_nan_step = torch.where((first < 0) & rows_nan, step, first)
+            record_nan(self._nan_steps(scores), scores, step)
         if step % every == every - 1 and bool((self._first_nan_step >= 0).any()):
             self._raise_nan(self._first_nan_step >= 0, self._first_nan_step)
 

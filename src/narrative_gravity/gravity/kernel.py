@@ -45,7 +45,16 @@ from .stages import StagePlan, advance_stages
 from .thermo import Measurement, Workspace, measure, measure_from_probs, measure_on_support, probabilities
 from .tilt import apply_gravity, check_repeat_weight
 
-__all__ = ["COMPILE_ENV", "COMPILE_MODES", "GravityKernel", "Program", "StepResult", "compile_mode", "compiled_step"]
+__all__ = [
+    "COMPILE_ENV",
+    "COMPILE_MODES",
+    "GravityKernel",
+    "Program",
+    "StepResult",
+    "compile_mode",
+    "compiled_step",
+    "record_nan",
+]
 
 # Above this share of the vocabulary a union of supports is handled as the whole vocabulary.
 _DENSE_SHARE = 0.5
@@ -549,7 +558,7 @@ class GravityKernel:
         if self.compile == "off":
             self.advance(tokens, rows, new)
             if nan_step is not None:  # before the pull, which may write into the logits
-                _record_nan(nan_step, logits, self.step[: logits.shape[0]] if rows is None else self.step[rows])
+                record_nan(nan_step, logits, self.step[: logits.shape[0]] if rows is None else self.step[rows])
             return self.apply(logits, rows, rows_np, measure_step=measure_step, inplace=inplace)
         bank, plan, state, rows, dev = self._prepare(logits, rows, rows_np)
         if isinstance(rows, slice):
@@ -870,8 +879,15 @@ def _advance_tensors(
         written.index_copy_(0, rows, now if new is None else torch.where(new[:, None], now, done))
 
 
-def _record_nan(nan_step: torch.Tensor, logits: torch.Tensor, step: torch.Tensor) -> None:
-    """Write ``step [B]`` into ``nan_step [B]`` (-1: none yet) for the rows whose ``logits`` first hold a NaN."""
+def record_nan(nan_step: torch.Tensor, logits: torch.Tensor, step: torch.Tensor | int) -> None:
+    """Write ``step`` (``[B]``, or one step for all rows) into ``nan_step [B]`` (-1: none yet) for the rows whose
+    ``logits`` first hold a NaN; on the device, with no read back.
+
+    >>> first = torch.tensor([-1, -1, 2])
+    >>> record_nan(first, torch.tensor([[0.0, float("nan")], [0.0, 1.0], [float("nan"), 0.0]]), 5)
+    >>> first.tolist()
+    [5, -1, 2]
+    """
     nan_step.copy_(torch.where((nan_step < 0) & torch.isnan(logits).any(dim=-1), step, nan_step))
 
 
@@ -896,7 +912,7 @@ def _advance_and_step(
     row's first step whose logits held a NaN, read before the pull (which may cover a NaN with a pruning mask)."""
     _advance_tensors(bank, state, adv, rows, tokens, new, staged, requires)
     if nan_step is not None:
-        _record_nan(nan_step, logits, state.step.index_select(0, rows))
+        record_nan(nan_step, logits, state.step.index_select(0, rows))
     return _step_tensors(bank, plan, logits, rows, state, measure_step, inplace, bits, None, False, None)
 
 
