@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model()
     vocab = model.config.vocab_size
     spaced = torch.zeros(vocab, dtype=torch.bool)
+    # whole words: tokens with the byte-level BPE space marker, as SmolLM2's tokenizer (the default model) writes it
     spaced[[i for i in range(min(len(tok), vocab)) if tok.convert_ids_to_tokens(i).startswith("Ġ")]] = True
     topics: dict[str, list[Any]] = defaultdict(list)
     for p in load_chat(args.prompts):
