@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from narrative_gravity.plots import pyplot
+
 N_BOOT = 2000
 ORDER = ("control", "ask", "cfg-1.5", "cfg-3", "auto")
 LABELS = {"control": "plain", "ask": "ask (the topic in a system message, no pull)"}
@@ -223,10 +225,10 @@ def plot(
 ) -> None:
     """Held-out success against judge perplexity (``x_of``: median or mean, ÷ ``base``), each arm with its 95%
     intervals."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("--plot needs matplotlib: pip install 'narrative-gravity[plot]'")
+    from matplotlib import ticker
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     placed: list[tuple[float, float]] = []
@@ -244,9 +246,9 @@ def plot(
     ax.text(bound, ax.get_ylim()[0], f" {bound:.2f}× {base}", color="grey", va="bottom")
     ax.set_xscale("log")
     lo, hi = ax.get_xlim()
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([v for v in TICKS if lo <= v <= hi]))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.xaxis.set_major_locator(ticker.FixedLocator([v for v in TICKS if lo <= v <= hi]))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel(f"judge perplexity, {x_of} ÷ {base} (log scale)")
     ax.set_ylabel("held-out success")
     ax.set_title(title)

@@ -26,17 +26,13 @@ from typing import Any
 
 import torch
 
+from narrative_gravity.engines.prompts import chat_ids
 from narrative_gravity.eval.chat import load_chat
+from narrative_gravity.fields.semantic import vocab_of
 from narrative_gravity.lead import lead_sentence
 from narrative_gravity.models import load_model
 from narrative_gravity.profiles.build import field_from_profile
 from narrative_gravity.profiles.schema import Profile
-
-
-def context(tok: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """The chat template's ids for ``messages``, ready for the assistant's answer."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
 @torch.no_grad()
@@ -44,8 +40,10 @@ def contrast(model: Any, tok: Any, sentence: str, requests: list[str], positions
     """``log p(v | ask) − log p(v | plain)`` over the first ``positions`` answer tokens, averaged ``[V]``."""
     total = torch.zeros(model.config.vocab_size)
     for request in requests:
-        ask = context(tok, [{"role": "system", "content": sentence}, {"role": "user", "content": request}])
-        plain = context(tok, [{"role": "user", "content": request}])
+        ask = torch.tensor(
+            chat_ids(tok, [{"role": "system", "content": sentence}, {"role": "user", "content": request}])
+        )
+        plain = torch.tensor(chat_ids(tok, [{"role": "user", "content": request}]))
         torch.manual_seed(0)
         out = model.generate(ask[None], max_new_tokens=positions, do_sample=True, top_k=10)
         answer = out[0, ask.shape[0] :]
@@ -75,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("probe the tuning splits only: choosing a field on the test words would leak them")
     model, tok = load_model()
     vocab = model.config.vocab_size
-    spaced = torch.zeros(vocab, dtype=torch.bool)
-    # whole words: tokens with the byte-level BPE space marker, as SmolLM2's tokenizer (the default model) writes it
-    spaced[[i for i in range(min(len(tok), vocab)) if tok.convert_ids_to_tokens(i).startswith("Ġ")]] = True
+    spaced = vocab_of(tok, vocab).spaced  # whole words: tokens that start with a space
     topics: dict[str, list[Any]] = defaultdict(list)
     for p in load_chat(args.prompts):
         topics[p.topic_name].append(p)
