@@ -453,7 +453,7 @@ class GravityKernel:
         if rows is not None or new is not None:  # rows by index (vLLM): the compiled step's update, run eager
             bank, dev = self._tables()
             state = _State(self.recent, self.step, self.stage, self.said, self.written, dev["budget"])
-            adv = _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
+            adv = self._advance_tables(dev)
             rows_t = torch.arange(tokens.shape[0], device=self.device) if rows is None else rows
             _advance_tensors(bank, state, adv, rows_t, tokens, new, staged, requires)
             return
@@ -486,6 +486,10 @@ class GravityKernel:
         if requires and bank.require is not None:
             written = self.written[:b, : bank.require.n_words]
             written.copy_(advance_required(written, bank.require, dev["require"][:b], history, step))
+
+    def _advance_tables(self, dev: dict[str, torch.Tensor]) -> _Advance:
+        """The tables only the state update reads: stage starts, words seen, each row's stages and requirement."""
+        return _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
 
     def _tables(self) -> tuple[_Bank, dict[str, torch.Tensor]]:
         """The field bank (in the dtype of the logits last seen) and the per-row settings on the device."""
@@ -563,7 +567,7 @@ class GravityKernel:
         bank, plan, state, rows, dev = self._prepare(logits, rows, rows_np)
         if isinstance(rows, slice):
             rows = self._row_ids(logits.shape[0])
-        adv = _Advance(self.start, self.seen, dev["first"], dev["last"], dev["require"])
+        adv = self._advance_tables(dev)
         if self._compiled_advance is None:
             self._compiled_advance = compiled_advance_step(self.compile)
         return self._compiled_advance(
