@@ -433,6 +433,7 @@ PROMPTS = [
     "Our trip to the mountains",
     "A letter to my neighbour",
     "The chicken",
+    "The old house",
 ]
 STRONG = {"core_semantics": ["ocean", "wave"], "gravity_strength": 6.0, "schedule": "constant"}
 SEARCH = {"core_semantics": ["binary_search", "array"], "gravity_strength": 2.0}
@@ -464,8 +465,14 @@ REQUIRED = {
     "gravity_strength": 0.0,
     "require": ["volcano", "telescope"],
 }
-PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM, REQUIRED]
-BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10, 12]  # rows finish at different steps, so later rows join mid-way
+CONTRAST = {  # the field of a sentence's contrast: the adapter reads it with the model loaded from the checkpoint
+    "core_semantics": ["court"],
+    "field": {"mode": "lexical", "contrast": {"sentence": "The following is about a trial in court.", "raw": True}},
+    "schedule": "constant",
+    "gravity_strength": 4.0,
+}
+PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM, REQUIRED, CONTRAST]
+BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10, 12, 12]  # rows finish at different steps, so later rows join mid-way
 NEW_TOKENS = 12
 
 
@@ -547,7 +554,7 @@ def test_mixed_batch_rows_match_their_solo_runs(runs: dict[str, Any]) -> None:
     for i, (mixed, alone) in enumerate(zip(runs["mixed"], runs["alone"])):
         assert mixed == alone, f"row {i} ({PROFILES[i]}) changed when batched with other profiles"
     assert runs["mixed"][3] == runs["plain"][3], "the row without gravity must equal plain vLLM"
-    for i in (0, 4, 5, 6, 7):
+    for i in (0, 4, 5, 6, 7, 9):
         assert runs["mixed"][i] != runs["plain"][i], f"row {i} ({PROFILES[i]}) must change its row"
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from .embeddings import encode
-from .text import has_unspaced_script
+from .text import has_unspaced_script, lead_messages, lead_text
 
 if TYPE_CHECKING:
     from .profiles.blocks import Lead
@@ -159,34 +159,17 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     True
     """
     lead = _lead_in_mode(profile, raw=raw)
-    if lead is None or lead.kl_budget is None:
+    if lead is None:
         return profile
-    if profile.thermostat.kl_budget is not None:  # the thermostat's own budget wins
-        return profile
-    budget = {
-        "kl_budget": lead.kl_budget,
-        "kl_budget_steps": lead.kl_budget_steps,
-        "late_kl_budget": lead.late_kl_budget,
-    }
-    thermostat = profile.thermostat.model_copy(update=budget)
-    return profile.model_copy(update={"thermostat": thermostat})
-
-
-def lead_text(prompt: str, sentence: str | None) -> str:
-    """``prompt`` for plain continuation with ``sentence`` before it (a space between, unless ``prompt`` starts
-    with white space); ``prompt`` itself without one."""
-    if not sentence:
-        return prompt
-    return sentence + prompt if prompt[:1].isspace() else f"{sentence} {prompt}"
-
-
-def lead_messages(messages: list[dict[str, str]], sentence: str | None) -> list[dict[str, str]]:
-    """Chat ``messages`` with ``sentence`` as the system message, or before the first system message's text;
-    a new list (the caller's is untouched), or ``messages`` itself without a sentence."""
-    if not sentence:
-        return messages
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0])
-        first["content"] = f"{sentence}\n\n{first.get('content', '')}".rstrip()
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": sentence}, *messages]
+    update = {}
+    if lead.kl_budget is not None and profile.thermostat.kl_budget is None:  # the thermostat's own budget wins
+        budget = {
+            "kl_budget": lead.kl_budget,
+            "kl_budget_steps": lead.kl_budget_steps,
+            "late_kl_budget": lead.late_kl_budget,
+        }
+        update["thermostat"] = profile.thermostat.model_copy(update=budget)
+    if lead.contrast and profile.field.contrast is None:  # the sentence's own contrast joins the field
+        contrast = {"sentence": lead_sentence(profile, raw=raw), "raw": raw, "top": lead.contrast}
+        update["field"] = type(profile.field).model_validate({**profile.field.model_dump(), "contrast": contrast})
+    return profile.model_copy(update=update) if update else profile

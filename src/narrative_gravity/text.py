@@ -18,6 +18,8 @@ __all__ = [
     "expand_keywords",
     "expand_tracked",
     "has_unspaced_script",
+    "lead_messages",
+    "lead_text",
     "ngrams",
     "stem",
     "unencodable",
@@ -205,3 +207,23 @@ def unencodable(data: Any, path: str = "") -> str | None:
             for i in reversed(range(len(value))):
                 stack.append((f"{where}.{i}" if where else str(i), value[i]))
     return None
+
+
+def lead_text(prompt: str, sentence: str | None) -> str:
+    """``prompt`` for plain continuation with ``sentence`` before it (a space between, unless ``prompt`` starts
+    with white space); ``prompt`` itself without one."""
+    if not sentence:
+        return prompt
+    return sentence + prompt if prompt[:1].isspace() else f"{sentence} {prompt}"
+
+
+def lead_messages(messages: list[dict[str, str]], sentence: str | None) -> list[dict[str, str]]:
+    """Chat ``messages`` with ``sentence`` as the system message, or before the first system message's text;
+    a new list (the caller's is untouched), or ``messages`` itself without a sentence."""
+    if not sentence:
+        return messages
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{sentence}\n\n{first.get('content', '')}".rstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": sentence}, *messages]

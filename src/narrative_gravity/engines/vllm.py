@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigurationError, ProfileError
 from ..gravity.kernel import GravityKernel, Program
@@ -340,7 +340,7 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
                 tokenizer = self._engine_tokenizer()
                 if tokenizer is None:
                     return None
-                model = self._engine_embeddings() if _reads_lm_embeddings(profile) else None
+                model = self._engine_model(profile)
                 program = program_from_profile(profile, tokenizer, model=model, key=key)
                 self._programs[key] = program
                 while len(self._programs) > self.max_programs:
@@ -365,12 +365,14 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
                 logger.exception("narrative-gravity: cannot load the engine's tokenizer; gravity is off")
         return self._tokenizer
 
-    def _engine_embeddings(self) -> Any:
-        """The model's input embeddings, read from its checkpoint (the weights vLLM holds are out of reach)."""
-        if self._embeddings is None:
-            cfg = getattr(self.vllm_config, "model_config", None)
-            self._embeddings = CheckpointEmbeddings.load(getattr(cfg, "model", None))
-        return self._embeddings
+    def _engine_model(self, profile: Profile) -> Any:
+        """What ``profile``'s field reads of the model (:func:`field_model`), from the checkpoint vLLM serves."""
+        cfg = getattr(self.vllm_config, "model_config", None)
+        if _reads_lm_embeddings(profile) and profile.field.contrast is None:
+            if self._embeddings is None:
+                self._embeddings = CheckpointEmbeddings.load(getattr(cfg, "model", None))
+            return self._embeddings
+        return field_model(profile, getattr(cfg, "model", None))
 
     # -- one step ------------------------------------------------------------------------------------
 
@@ -439,6 +441,35 @@ def _trace_id(params: Any) -> str | None:
 
 def _reads_lm_embeddings(profile: Profile) -> bool:
     return profile.field.mode in ("semantic", "hybrid") and profile.field.semantic_source == "lm"
+
+
+def field_model(profile: Profile, folder: Any) -> Any:
+    """What ``profile``'s field reads of the model vLLM serves from ``folder``: the model itself
+    (:func:`checkpoint_model`) for ``field.contrast``, its input embeddings (:class:`CheckpointEmbeddings`) for
+    ``semantic_source: lm``, else ``None``."""
+    if profile.field.contrast is not None:
+        return checkpoint_model(folder)
+    return CheckpointEmbeddings.load(folder) if _reads_lm_embeddings(profile) else None
+
+
+def checkpoint_model(folder: Any) -> Any:
+    """The model of a checkpoint ``folder``, loaded by transformers on the CPU in float32, once per folder and
+    process: a field that reads the model itself (``field.contrast``) reads this copy, as vLLM's own weights are
+    out of a processor's reach. It costs the model's size in memory, and each new sentence a few short
+    generations on the CPU."""
+    return _checkpoint_model(str(folder) if folder else "")
+
+
+@functools.lru_cache(maxsize=2)
+def _checkpoint_model(folder: str) -> Any:
+    path = Path(folder) if folder else None
+    if path is None or not (path / "config.json").is_file():
+        raise ConfigurationError(
+            f"field.contrast reads the model itself, loaded from the checkpoint folder vLLM serves, and {folder!r} "
+            "is not one; serve a Hugging Face folder, or leave field.contrast (lead.contrast) out"
+        )
+    with torch.inference_mode(False):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 class CheckpointEmbeddings:

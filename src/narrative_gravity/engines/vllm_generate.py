@@ -41,7 +41,7 @@ from ..profiles.schema import Profile
 from .options import GenerationOptions
 from .prompts import encode_prompts
 from .results import GenerationResult
-from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor
+from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor, checkpoint_model
 
 try:  # the optional extra; see the module doc
     from vllm import LLM, SamplingParams
@@ -148,6 +148,7 @@ class VLLMGenerator:
         self.folder = folder
         self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
         self._embeddings: CheckpointEmbeddings | None = None
+        self._causal_lm: Any = None
 
     @classmethod
     def load(
@@ -225,6 +226,13 @@ class VLLMGenerator:
         if self._embeddings is None:
             self._embeddings = CheckpointEmbeddings.load(self.folder)
         return self._embeddings
+
+    @property
+    def causal_lm(self) -> Any:
+        """The model on the CPU, loaded by transformers from its checkpoint, for fields with ``field.contrast``."""
+        if self._causal_lm is None:
+            self._causal_lm = checkpoint_model(self.folder)
+        return self._causal_lm
 
     @staticmethod
     def sampling_params(options: GenerationOptions, gravity: Mapping[str, Any] | None) -> SamplingParams:

@@ -320,7 +320,10 @@ class _VLLMRunner(_Runner):
         self.gen = generator
 
     def _model_for(self, profile: Profile) -> Any:
-        """What a field of ``profile`` reads the LM's embeddings from (only ``semantic_source: lm`` does)."""
+        """What a field of ``profile`` reads of the LM: the model for ``field.contrast``, its embeddings for
+        ``semantic_source: lm``, else nothing."""
+        if profile.field.contrast is not None:
+            return self.gen.causal_lm
         reads_lm = profile.field.mode != "lexical" and profile.field.semantic_source == "lm"
         return self.gen.embeddings if reads_lm else None
 

@@ -172,6 +172,18 @@ class Thermostat(StrictModel):
         return self
 
 
+class ContrastOptions(StrictModel):
+    """A field from a sentence's own effect on the model (:mod:`narrative_gravity.fields.contrast`): the ``top``
+    whole words whose log-probability the sentence raises most, over ``positions`` tokens of neutral answers.
+    A profile's ``lead.contrast`` sets it from the lead's sentence; it reads the generator (transformers only).
+    """
+
+    sentence: str = Field(min_length=1, max_length=1000, description="the sentence whose contrast is read")
+    raw: bool = Field(False, description="read it before plain text (true) or as a system message (false)")
+    top: int = Field(100, ge=1, le=5000, description="how many whole-word tokens of largest contrast are pulled")
+    positions: int = Field(24, ge=1, le=256, description="answer tokens the contrast is averaged over")
+
+
 class FieldOptions(StrictModel):
     """How the field is built: lexical surface forms, semantic neighbours, or both.
 
@@ -223,6 +235,9 @@ class FieldOptions(StrictModel):
         ge=1000,
         le=200000,
         description="the neighbour words are drawn from this many most frequent English words",
+    )
+    contrast: ContrastOptions | None = Field(
+        None, description="also pull toward a sentence's own contrast (max of the two; needs the model); None = off"
     )
 
 
@@ -283,6 +298,7 @@ class ChatLead(StrictModel):
     kl_budget: float | None = _kl_budget("the pull's KL budget (nats a step) in chat; None = the lead's")
     kl_budget_steps: int | None = _kl_budget_steps("tokens the chat kl_budget holds for; None = the lead's")
     late_kl_budget: float | None = _kl_budget("the KL budget after kl_budget_steps in chat; None = the lead's")
+    contrast: int | None = Field(None, ge=0, le=5000, description="the contrast's words in chat; None = the lead's")
 
     @field_validator("text")
     @classmethod
@@ -344,6 +360,13 @@ class Lead(StrictModel):
     )
     late_kl_budget: float | None = _kl_budget(
         "the thermostat's KL budget (nats a step) after kl_budget_steps tokens; None = no limit"
+    )
+    contrast: int = Field(
+        0,
+        ge=0,
+        le=5000,
+        description="this many whole words the sentence itself makes likelier join the field (field.contrast; "
+        "transformers only); 0 = off",
     )
     chat: bool | ChatLead = Field(
         True,

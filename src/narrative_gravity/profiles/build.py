@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..fields import NarrativeField, combine_fields
+from ..fields.contrast import build_contrast_field
 from ..fields.lexical import build_lexical_field, reach, surface_forms, weighted_lexical_field
 from ..fields.neighbours import neighbour_words
 from ..fields.required import RequirementOptions, build_requirement
@@ -89,7 +90,8 @@ def field_from_profile(profile: Profile, tokenizer: Any, *, model: Any = None) -
         {"core": words.core, "penalize": words.avoid, "field": opts.model_dump(), "memory": profile.memory},
         sort_keys=True,
     )
-    model_key = id(model) if semantic and opts.semantic_source == "lm" else 0
+    reads_model = (semantic and opts.semantic_source == "lm") or opts.contrast is not None
+    model_key = id(model) if reads_model else 0
     key = (spec, id(tokenizer), len(tokenizer), model_key)
     hit = _FIELD_CACHE.get(key)
     if hit is not None and hit[0] is tokenizer and (model_key == 0 or hit[1]() is model):
@@ -124,6 +126,15 @@ class _Words:
 
 
 def _build_field(words: _Words, opts: FieldOptions, tokenizer: Any, model: Any) -> NarrativeField:
+    built = _words_field(words, opts, tokenizer, model)
+    if opts.contrast is None:
+        return built
+    c = opts.contrast  # the sentence's own contrast: max of the two
+    contrast = build_contrast_field(model, tokenizer, c.sentence, raw=c.raw, top=c.top, positions=c.positions)
+    return merge_fields([built, contrast], name=built.name)
+
+
+def _words_field(words: _Words, opts: FieldOptions, tokenizer: Any, model: Any) -> NarrativeField:
     lexical = None
     if opts.mode in ("lexical", "hybrid") or words.avoid:
         lexical = build_lexical_field(

@@ -94,7 +94,8 @@ __all__ = [
 # `topics-tune` split, the Empath tuning topics and the named tuning prompts, never on held-out words
 # (docs/benchmarks.md). In chat the model reads a system message naming the three central words ("Write about
 # planet, orbit and galaxy.") under the same budgets (0.05 nats a step, chosen on the chat tuning splits:
-# docs/chat.md).
+# docs/chat.md), and the 300 whole words that message itself makes likeliest join the field (`field.contrast`,
+# read once per topic with the model: narrative_gravity.fields.contrast).
 TOPIC_DEFAULTS: dict[str, Any] = {
     "schedule": "thermostat",
     "field": {"mode": "semantic", "repeat_weight": 0.0},
@@ -104,7 +105,7 @@ TOPIC_DEFAULTS: dict[str, Any] = {
         "kl_budget": 0.05,
         "kl_budget_steps": 128,
         "late_kl_budget": 0.30,
-        "chat": {"words": 3},
+        "chat": {"words": 3, "contrast": 300},
     },
 }
 

@@ -30,7 +30,7 @@ from typing import Any
 from ..eval.text_metrics import token_field_values
 from ..profiles.build import field_from_profile
 from ..profiles.store import ProfileStore
-from .backends.base import Backend, ResolvedGravity, RowStats
+from .backends.base import Backend, ResolvedGravity, RowStats, field_model_of
 from .telemetry import Metrics
 
 __all__ = ["ArmRecord", "ArmRecorder", "mean_stats"]
@@ -105,7 +105,7 @@ class ArmRecorder:
             field = field_from_profile(
                 gravity.profile,
                 self.backend.tokenizer,  # type: ignore[attr-defined]
-                model=getattr(self.backend, "model", None),
+                model=field_model_of(self.backend, gravity.profile),
             )
         except Exception as exc:  # measured where possible; a request never fails for it
             log.debug("off-topic rate of %s not measured: %s", gravity.label, exc)

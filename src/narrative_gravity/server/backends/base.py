@@ -35,6 +35,7 @@ __all__ = [
     "RowStats",
     "TokenStats",
     "TokenizerText",
+    "field_model_of",
 ]
 
 ENGINES = ("hf", "vllm")
@@ -228,3 +229,10 @@ class TokenizerText:
         bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
         if bad:
             raise VocabularyError(f"token ids {bad[:10]} are outside the vocabulary [0, {self.vocab_size})")
+
+
+def field_model_of(backend: Any, profile: Profile) -> Any:
+    """What ``profile``'s field reads of ``backend``'s model: the backend's ``model_for(profile)`` where it has one
+    (vLLM: a copy from the checkpoint, loaded only for fields that read the model), else its ``model``."""
+    model_for = getattr(backend, "model_for", None)
+    return model_for(profile) if model_for is not None else getattr(backend, "model", None)

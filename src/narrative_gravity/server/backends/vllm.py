@@ -48,7 +48,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ...engines.vllm import TRACE_KEY, forget_trace, pop_trace, profile_from_extra_args
+from ...engines.vllm import TRACE_KEY, field_model, forget_trace, pop_trace, profile_from_extra_args
 from ...errors import ConfigurationError
 from ...models import DEFAULT_MODEL, hf_folder
 from ...profiles.schema import Profile
@@ -255,6 +255,11 @@ class VLLMBackend(TokenizerText):
                 "profile for vLLM"
             )
         profile_from_extra_args({"gravity": profile.model_dump(exclude_none=True)})
+
+    def model_for(self, profile: Profile) -> Any:
+        """What ``profile``'s field reads of the served model (:func:`~narrative_gravity.engines.vllm.field_model`):
+        ``None`` for most profiles; a CPU copy from the checkpoint for ``field.contrast``."""
+        return field_model(profile, self.engine.model_config.model)
 
     def prepare_format(self, fmt: ResponseFormat) -> None:
         """Check ``fmt`` as vLLM will when the row is added (its backend compiles the schema), so that a schema

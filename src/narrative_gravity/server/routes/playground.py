@@ -36,6 +36,7 @@ from ...compare import Scoring, row_metrics, summarize_metrics
 from ...errors import NarrativeGravityError
 from ...profiles.build import field_from_profile
 from ...profiles.schema import TOPIC_DEFAULTS, Profile, profile_problems
+from ..backends.base import field_model_of
 from ..guard import request_json
 from ..protocol import APIError, parse_request
 from ..schemas import body
@@ -202,7 +203,7 @@ async def score(data: Any = Depends(request_json), state: ServerState = Depends(
         raise APIError(400, str(exc), param="held_out") from None
 
     def work() -> dict[str, Any]:
-        field = field_from_profile(profile, backend.tokenizer, model=getattr(backend, "model", None))  # type: ignore[attr-defined]
+        field = field_from_profile(profile, backend.tokenizer, model=field_model_of(backend, profile))  # type: ignore[attr-defined]
 
         def metrics(side: _Side) -> dict[str, float]:
             means = {k: v for k, v in (("entropy", side.entropy), ("kl", side.kl)) if v is not None}
