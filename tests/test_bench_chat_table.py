@@ -55,3 +55,8 @@ def test_plots_runs_and_stored_tables(bench_script, run: Path, tmp_path: Path) -
     assert again.stat().st_size > 10_000
     with pytest.raises(SystemExit):  # tables are only plotted
         chat_table.main(["--tables", str(stored)])
+    named = tmp_path / "n.png"
+    assert chat_table.main(["--tables", str(stored), "--plot", str(named), "--label", "pull=the default"]) == 0
+    assert named.read_bytes() != png.read_bytes()  # the same table and axes, another label
+    with pytest.raises(SystemExit):  # a label names its arm
+        chat_table.main(["--tables", str(stored), "--plot", str(named), "--label", "the default"])

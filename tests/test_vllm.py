@@ -433,7 +433,7 @@ PROMPTS = [
     "Our trip to the mountains",
     "A letter to my neighbour",
     "The chicken",
-    "The old house",
+    "Yesterday my neighbour",
 ]
 STRONG = {"core_semantics": ["ocean", "wave"], "gravity_strength": 6.0, "schedule": "constant"}
 SEARCH = {"core_semantics": ["binary_search", "array"], "gravity_strength": 2.0}
@@ -468,8 +468,8 @@ REQUIRED = {
 CONTRAST = {  # the field of a sentence's contrast: the adapter reads it with the model loaded from the checkpoint
     "core_semantics": ["court"],
     "field": {"mode": "lexical", "contrast": {"sentence": "The following is about a trial in court.", "raw": True}},
-    "schedule": "constant",
-    "gravity_strength": 4.0,
+    "schedule": "thermostat",  # λ reads the narrative mass, so the adapters' λ agree only if their fields do
+    "thermostat": {"max_strength": 6.0, "explore_target": 0.5, "converge_target": 0.7, "strict_target": 0.8},
 }
 PROFILES = [STRONG, SEARCH, SPACE, None, TOPIC, STAGED, PRUNED, LM, REQUIRED, CONTRAST]
 BUDGETS = [12, 9, 12, 12, 14, 12, 7, 10, 12, 12]  # rows finish at different steps, so later rows join mid-way
@@ -591,6 +591,17 @@ def test_gravity_pulls_toward_the_field(runs: dict[str, Any]) -> None:
     plain = tok.decode(runs["plain"][0]).lower()
     assert "ocean" not in plain and "wave" not in plain, plain
     assert "ocean" in pulled or "wave" in pulled, pulled
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_a_sentences_contrast_pulls_on_the_vllm_engine(runs: dict[str, Any]) -> None:
+    """The field holds "court" and the contrast of a sentence about a trial; "trial" comes from the contrast
+    (on transformers, "court" alone writes "had a court case against a local business")."""
+    tok = runs["llm"].get_tokenizer()
+    row = PROFILES.index(CONTRAST)
+    text, plain = (tok.decode(runs[k][row], skip_special_tokens=True).lower() for k in ("mixed", "plain"))
+    assert "trial" in text and "trial" not in plain and "court" not in plain, (text, plain)
 
 
 @pytest.mark.slow

@@ -221,10 +221,17 @@ def markdown(t: list[dict[str, Any]], base: str = "ask") -> str:
 
 
 def plot(
-    t: list[dict[str, Any]], path: Path, title: str, base: str = "ask", x_of: str = "median", bound: float = 1.10
+    t: list[dict[str, Any]],
+    path: Path,
+    title: str,
+    base: str = "ask",
+    x_of: str = "median",
+    bound: float = 1.10,
+    labels: dict[str, str] | None = None,
 ) -> None:
     """Held-out success against judge perplexity (``x_of``: median or mean, ÷ ``base``), each arm with its 95%
-    intervals."""
+    intervals; ``labels`` name arms on top of :data:`SHORT`."""
+    names = SHORT | (labels or {})
     plt = pyplot()
     if plt is None:
         raise SystemExit("--plot needs matplotlib: pip install 'narrative-gravity[plot]'")
@@ -241,7 +248,7 @@ def plot(
         ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3, alpha=0.85)
         near = sum(abs(np.log(x / px)) < 0.05 and abs(y - py) < 0.04 for px, py in placed)  # labels that would touch
         placed.append((x, y))
-        ax.annotate(SHORT.get(r["arm"], r["arm"]), (x, y), textcoords="offset points", xytext=(6, 4 - 14 * near))
+        ax.annotate(names.get(r["arm"], r["arm"]), (x, y), textcoords="offset points", xytext=(6, 4 - 14 * near))
     ax.axvline(bound, color="grey", linestyle="--", linewidth=1)
     ax.text(bound, ax.get_ylim()[0], f" {bound:.2f}× {base}", color="grey", va="bottom")
     ax.set_xscale("log")
@@ -268,14 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None, help="also draw success against perplexity (PNG)")
     ap.add_argument("--title", default="Chat: held-out success against fluency", help="the plot's title")
     ap.add_argument("--x", choices=("median", "mean"), default="median", help="the plot's perplexity ratio")
+    ap.add_argument("--label", action="append", default=[], metavar="ARM=TEXT", help="name an arm in the plot")
     args = ap.parse_args(argv)
+    if any("=" not in x for x in args.label):
+        ap.error("--label takes ARM=TEXT, e.g. --label auto='the chat default'")
+    labels = dict(x.split("=", 1) for x in args.label)
     if args.tables:
         if not args.plot:
             ap.error("--tables only plots; give --plot OUT.png")
         t = []
         for path in args.tables:
             t += [r for r in json.loads(path.read_text(encoding="utf-8")) if r["arm"] not in {x["arm"] for x in t}]
-        plot(t, args.plot, args.title, args.base, args.x)
+        plot(t, args.plot, args.title, args.base, args.x, labels=labels)
         return 0
     if not args.runs:
         ap.error("give run folders, or --tables with --plot")
@@ -284,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(t, indent=1), encoding="utf-8")
     if args.plot:
-        plot(t, args.plot, args.title, args.base, args.x)
+        plot(t, args.plot, args.title, args.base, args.x, labels=labels)
     return 0
 
 

@@ -212,11 +212,11 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
-    import matplotlib
+    from narrative_gravity.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        raise SystemExit("drawing needs matplotlib: pip install 'narrative-gravity[plot]'")
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, key, label in (
         (axes[0], "hit", "held-out success"),
