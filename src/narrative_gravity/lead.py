@@ -135,8 +135,8 @@ def _lead_in_mode(profile: Profile | None, *, raw: bool) -> Lead | None:
 def reading_profile(profile: _P, *, raw: bool) -> _P:
     """The profile to pull with where its topic sentence is read (plain continuation with ``raw``, else chat):
     the thermostat's ``kl_budget`` is the lead's (``lead.kl_budget``) where the profile sets no budget of its
-    own; ``profile`` itself otherwise, where no sentence is read in that mode, and for ``None`` (plain
-    decoding).
+    own, and with ``lead.contrast`` the sentence's contrast joins the field (``field.contrast``); ``profile``
+    itself where no sentence is read in that mode, and for ``None`` (plain decoding).
 
     Every path that puts the sentence before the prompt (``ngrav generate``, ``compare``, ``eval``, the server,
     :func:`narrative_gravity.engines.hf_generate.generate` with ``lead``) pulls with this profile; a path that cannot
@@ -147,11 +147,14 @@ def reading_profile(profile: _P, *, raw: bool) -> _P:
     >>> read = reading_profile(p, raw=True).thermostat
     >>> p.thermostat.kl_budget, read.kl_budget, read.kl_budget_steps, read.late_kl_budget
     (None, 0.05, 128, 0.3)
-    >>> reading_profile(p, raw=False).thermostat.kl_budget  # in chat: lead.chat {words: 3}, the lead's budget
+    >>> reading_profile(p, raw=False).thermostat.kl_budget  # in chat: the lead's budget
     0.05
     >>> r = Profile(core_semantics=["orbit"], lead={"chat": {"words": 3, "kl_budget": 0.12}})
     >>> reading_profile(r, raw=False).thermostat.kl_budget  # a budget of its own in chat
     0.12
+    >>> chat = reading_profile(p, raw=False).field.contrast  # and the 300 words its message makes likelier
+    >>> chat.sentence, chat.top, reading_profile(p, raw=True).field.contrast
+    ('Write about orbit.', 300, None)
     >>> q = Profile(core_semantics=["orbit"], lead={"chat": False})
     >>> reading_profile(q, raw=False) is q  # no sentence in chat: the pull as without one
     True

@@ -11,14 +11,14 @@ step. This field reads that contrast once, when a profile is built, and pulls to
 
 Where the MiniLM field reads the topic's words, this one reads what the sentence does to the model: for "Write
 about law, trial and verdict." it names courtroom, jurors, litigation, attorney (bench/chat/contrast_probe.py).
-It needs the generator itself (``model``), so it is built on the transformers engine.
+It needs the generator itself (``model``): the transformers model one generates with, or on vLLM a CPU copy of
+the served checkpoint (:func:`narrative_gravity.engines.vllm.checkpoint_model`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -142,8 +142,8 @@ def build_contrast_field(
     """The field of ``sentence``'s contrast (see the module doc): its ``top`` best whole-word tokens."""
     if model is None:
         raise ConfigurationError(
-            "field.contrast reads the generator itself; pass model= (the transformers model you generate with), or "
-            "leave field.contrast out (vLLM and llama.cpp profiles cannot build it)"
+            "field.contrast reads the generator itself; pass model= (the transformers model you generate with; "
+            "on vLLM, narrative_gravity.engines.vllm.checkpoint_model(folder)), or leave field.contrast out"
         )
     if not sentence.strip():
         raise FieldError("the contrast sentence is blank; give the sentence the model reads")
@@ -160,9 +160,3 @@ def build_contrast_field(
     span = high - low if high > low else 1.0
     values[idx] = min_value + (1.0 - min_value) * (best - low) / span
     return NarrativeField(values=values, name=name)
-
-
-def contrast_words(field: NarrativeField, tokenizer: Any, k: int = 10) -> Sequence[str]:
-    """The ``k`` tokens of largest value, as text (for reports and tests)."""
-    idx = torch.topk(field.values, min(k, int((field.values > 0).sum()))).indices.tolist()
-    return [tokenizer.decode([i]).strip() for i in idx]

@@ -175,7 +175,8 @@ class Thermostat(StrictModel):
 class ContrastOptions(StrictModel):
     """A field from a sentence's own effect on the model (:mod:`narrative_gravity.fields.contrast`): the ``top``
     whole words whose log-probability the sentence raises most, over ``positions`` tokens of neutral answers.
-    A profile's ``lead.contrast`` sets it from the lead's sentence; it reads the generator (transformers only).
+    A profile's ``lead.contrast`` sets it from the lead's sentence. It reads the generator (on vLLM, a CPU copy of
+    the served checkpoint).
     """
 
     sentence: str = Field(min_length=1, max_length=1000, description="the sentence whose contrast is read")
@@ -365,8 +366,8 @@ class Lead(StrictModel):
         0,
         ge=0,
         le=5000,
-        description="this many whole words the sentence itself makes likelier join the field (field.contrast; "
-        "transformers only); 0 = off",
+        description="this many whole words the sentence itself makes likelier join the field (field.contrast, "
+        "read with the model); 0 = off",
     )
     chat: bool | ChatLead = Field(
         True,
