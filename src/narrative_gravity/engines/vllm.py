@@ -217,7 +217,6 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
         self.max_num_reqs = max_num_reqs
         self._tokenizer = tokenizer
         self._tokenizer_failed = False
-        self._embeddings: Any = None
         self.inert = not _claim(vllm_config, self)
         if self.inert:
             logger.warning(
@@ -368,10 +367,6 @@ class NarrativeGravityVLLMLogitsProcessor(*_BASES):
     def _engine_model(self, profile: Profile) -> Any:
         """What ``profile``'s field reads of the model (:func:`field_model`), from the checkpoint vLLM serves."""
         cfg = getattr(self.vllm_config, "model_config", None)
-        if _reads_lm_embeddings(profile) and profile.field.contrast is None:
-            if self._embeddings is None:
-                self._embeddings = CheckpointEmbeddings.load(getattr(cfg, "model", None))
-            return self._embeddings
         return field_model(profile, getattr(cfg, "model", None))
 
     # -- one step ------------------------------------------------------------------------------------
@@ -446,10 +441,16 @@ def _reads_lm_embeddings(profile: Profile) -> bool:
 def field_model(profile: Profile, folder: Any) -> Any:
     """What ``profile``'s field reads of the model vLLM serves from ``folder``: the model itself
     (:func:`checkpoint_model`) for ``field.contrast``, its input embeddings (:class:`CheckpointEmbeddings`) for
-    ``semantic_source: lm``, else ``None``."""
+    ``semantic_source: lm``, else ``None``; each loaded once per folder and process."""
     if profile.field.contrast is not None:
         return checkpoint_model(folder)
-    return CheckpointEmbeddings.load(folder) if _reads_lm_embeddings(profile) else None
+    return _checkpoint_embeddings(str(folder) if folder else "") if _reads_lm_embeddings(profile) else None
+
+
+@functools.lru_cache(maxsize=2)
+def _checkpoint_embeddings(folder: str) -> CheckpointEmbeddings:
+    """One embedding matrix per folder and process: the field cache knows a model by its identity."""
+    return CheckpointEmbeddings.load(folder or None)
 
 
 def checkpoint_model(folder: Any) -> Any:
