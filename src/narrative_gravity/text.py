@@ -14,6 +14,7 @@ from .errors import FieldError
 
 __all__ = [
     "STOPWORDS",
+    "chat_ids",
     "content_words",
     "expand_keywords",
     "expand_tracked",
@@ -227,3 +228,13 @@ def lead_messages(messages: list[dict[str, str]], sentence: str | None) -> list[
         first["content"] = f"{sentence}\n\n{first.get('content', '')}".rstrip()
         return [first, *messages[1:]]
     return [{"role": "system", "content": sentence}, *messages]
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's turn.
+
+    The template writes its own special tokens, so none are added on top. The caller checks that the
+    tokenizer has a template.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

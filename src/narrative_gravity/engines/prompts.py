@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..lead import lead_messages, lead_text
+from ..text import chat_ids
 
 __all__ = [
     "NEXT_TURN",
@@ -52,16 +53,6 @@ def encode_prompts(
         chat_ids(tokenizer, lead_messages([{"role": "user", "content": p}], s))
         for p, s in zip(prompts, leads, strict=True)
     ]
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's turn.
-
-    The template writes its own special tokens, so none are added on top. The caller checks that the
-    tokenizer has a template.
-    """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # A chat frame for base models, which have no chat template of their own: the system message as a paragraph,

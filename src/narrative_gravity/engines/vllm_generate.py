@@ -41,7 +41,7 @@ from ..profiles.schema import Profile
 from .options import GenerationOptions
 from .prompts import encode_prompts
 from .results import GenerationResult
-from .vllm import GRAVITY_KEY, CheckpointEmbeddings, NarrativeGravityVLLMLogitsProcessor, checkpoint_model
+from .vllm import GRAVITY_KEY, NarrativeGravityVLLMLogitsProcessor, field_model
 
 try:  # the optional extra; see the module doc
     from vllm import LLM, SamplingParams
@@ -147,8 +147,6 @@ class VLLMGenerator:
         self.tokenizer = tokenizer
         self.folder = folder
         self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
-        self._embeddings: CheckpointEmbeddings | None = None
-        self._causal_lm: Any = None
 
     @classmethod
     def load(
@@ -220,19 +218,10 @@ class VLLMGenerator:
         longest = max(len(ids) for ids in encoded) + options.max_new_tokens
         return cls.load(model, max_num_seqs=options.batch_size, longest=longest, tokenizer=tokenizer)
 
-    @property
-    def embeddings(self) -> CheckpointEmbeddings:
-        """The model's input embeddings from its checkpoint, for fields with ``semantic_source: lm``."""
-        if self._embeddings is None:
-            self._embeddings = CheckpointEmbeddings.load(self.folder)
-        return self._embeddings
-
-    @property
-    def causal_lm(self) -> Any:
-        """The model on the CPU, loaded by transformers from its checkpoint, for fields with ``field.contrast``."""
-        if self._causal_lm is None:
-            self._causal_lm = checkpoint_model(self.folder)
-        return self._causal_lm
+    def field_model(self, profile: Profile) -> Any:
+        """What ``profile``'s field reads of this engine's model (:func:`~narrative_gravity.engines.vllm.field_model`:
+        a CPU copy from the checkpoint for ``field.contrast``, its embeddings for ``semantic_source: lm``)."""
+        return field_model(profile, self.folder)
 
     @staticmethod
     def sampling_params(options: GenerationOptions, gravity: Mapping[str, Any] | None) -> SamplingParams:

@@ -320,12 +320,8 @@ class _VLLMRunner(_Runner):
         self.gen = generator
 
     def _model_for(self, profile: Profile) -> Any:
-        """What a field of ``profile`` reads of the LM: the model for ``field.contrast``, its embeddings for
-        ``semantic_source: lm``, else nothing."""
-        if profile.field.contrast is not None:
-            return self.gen.causal_lm
-        reads_lm = profile.field.mode != "lexical" and profile.field.semantic_source == "lm"
-        return self.gen.embeddings if reads_lm else None
+        """What a field of ``profile`` reads of the LM (:meth:`VLLMGenerator.field_model`), else nothing."""
+        return self.gen.field_model(profile)
 
     def field_for(self, arm: str, prompt: EvalPrompt) -> Any:
         profile = self.plan.profile_for(arm, prompt)

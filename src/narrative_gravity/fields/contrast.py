@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigurationError, FieldError
 from ..gravity.field import NarrativeField
-from ..text import lead_messages, lead_text
+from ..text import chat_ids, lead_messages, lead_text
 from .semantic import vocab_of
 
 __all__ = ["CONTRAST_REQUESTS", "CONTRAST_STARTS", "build_contrast_field", "sentence_contrast"]
@@ -56,15 +56,10 @@ def _contexts(tokenizer: Any, sentence: str, *, raw: bool) -> list[tuple[list[in
             "a contrast field in chat reads the sentence as a system message, but this tokenizer has no chat "
             "template; set field.contrast.raw to true for plain continuation"
         )
-
-    def ids(messages: list[dict[str, str]]) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
     out = []
     for request in CONTRAST_REQUESTS:
         user = [{"role": "user", "content": request}]
-        out.append((ids(lead_messages(user, sentence)), ids(user)))
+        out.append((chat_ids(tokenizer, lead_messages(user, sentence)), chat_ids(tokenizer, user)))
     return out
 
 
